@@ -1,0 +1,71 @@
+"""`python -m eagle3x stage=<stage> [overrides]`: validate everything, then run the stage.
+
+The whole command line (every job of a `-m` sweep) is composed and checked before
+Hydra starts a job, and before torch, vLLM, Lightning or transformers is imported.
+A refused run prints one report and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import List, Optional, Sequence
+
+from eagle3x.config.problems import EXIT_REFUSED, Problem, format_report
+
+
+def validate(argv: Sequence[str]) -> List[Problem]:
+    """Every problem with this command line, across all jobs it would start."""
+    from hydra._internal.utils import get_args_parser
+
+    from eagle3x.config.compose import compose_checked, expand_jobs
+    from eagle3x.config.preflight import check_values, preflight
+
+    args = get_args_parser().parse_args(list(argv))
+    if args.help or args.hydra_help or args.shell_completion or args.info:
+        return []
+    inspect_only = args.cfg is not None
+    jobs, problems = expand_jobs(args.overrides, args.multirun)
+    seen = {p.render() for p in problems}
+    for job in jobs:
+        cfg, found = compose_checked(job)
+        if cfg is not None:
+            found += check_values(cfg, need_stage=not inspect_only)
+            if not found and not inspect_only:
+                found += preflight(cfg, job)
+        for p in found:
+            if len(jobs) > 1 and p.where != "command line":
+                p.where = "sweep job: " + " ".join(job)
+            if p.render() not in seen:
+                seen.add(p.render())
+                problems.append(p)
+    return problems
+
+
+def _run_hydra() -> None:
+    import hydra
+    from omegaconf import DictConfig
+
+    from eagle3x.config.compose import conf_dir, setup
+
+    setup()
+
+    @hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")
+    def _job(cfg: DictConfig) -> Optional[str]:
+        from eagle3x.pipeline import run
+
+        return run(cfg)
+
+    _job()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    problems = validate(argv)
+    if problems:
+        sys.stderr.write(format_report(problems))
+        sys.exit(EXIT_REFUSED)
+    _run_hydra()
+
+
+if __name__ == "__main__":
+    main()

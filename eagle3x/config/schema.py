@@ -1,0 +1,247 @@
+"""Structured config: every key eagle3x accepts is declared here.
+
+YAML files under ``conf/`` only set values; Hydra composes them onto these
+dataclasses in struct mode, so an unknown key or a wrong type is an error.
+This module must stay light: it imports nothing heavier than omegaconf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import List, Optional
+
+from omegaconf import MISSING
+
+
+class Stage(Enum):
+    """The pipeline stages ``python -m eagle3x stage=...`` can run."""
+
+    prepare = "prepare"
+    extract = "extract"
+    vocab = "vocab"
+    train = "train"
+    eval = "eval"
+    export = "export"
+    all = "all"
+
+
+class EngineName(Enum):
+    vllm = "vllm"
+    hf = "hf"
+
+
+class HiddenDType(Enum):
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
+
+class VerifyMode(Enum):
+    """How shards are checked when they are opened: by size (fast) or full sha256."""
+
+    size = "size"
+    sha256 = "sha256"
+
+
+class DataFormat(Enum):
+    auto = "auto"
+    sharegpt = "sharegpt"
+    messages = "messages"
+
+
+class LoggerName(Enum):
+    wandb = "wandb"
+    csv = "csv"
+    none = "none"
+
+
+@dataclass
+class PathsConfig:
+    """Where shared artifacts and caches live (relative paths are from the launch dir)."""
+
+    artifacts: str = "${oc.env:EAGLE3X_ARTIFACTS,artifacts}"
+    cache: str = "${oc.env:EAGLE3X_CACHE,${oc.env:HOME,.}/.cache/eagle3x}"
+
+
+@dataclass
+class VerifierConfig:
+    """The big model whose hidden states the draft learns from (a local HF folder)."""
+
+    path: str = MISSING
+    # Build the embedded tiny random Llama at `path` when it is missing (verifier=tiny).
+    tiny: bool = False
+    trust_remote_code: bool = False
+
+
+@dataclass
+class DataConfig:
+    """Conversations to train on: a jsonl file or a local HF `datasets` folder."""
+
+    path: str = MISSING
+    format: DataFormat = DataFormat.auto
+    # How many samples (a prefix of the seeded order) later stages use; null = all.
+    num_samples: Optional[int] = None
+    seed: int = 0
+
+
+@dataclass
+class EngineConfig:
+    """Hidden-state engine settings (engine=vllm or engine=hf)."""
+
+    name: EngineName = EngineName.vllm
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.85
+    max_num_batched_tokens: Optional[int] = None
+    dtype: str = "auto"
+    enforce_eager: bool = False
+    quantization: Optional[str] = None
+    # hf engine: torch device ("auto" = cuda when visible, else cpu).
+    device: str = "auto"
+
+
+@dataclass
+class PrepareConfig:
+    # Default: <paths.artifacts>/prepared/<fingerprint of inputs and settings>.
+    output_dir: Optional[str] = None
+
+
+@dataclass
+class ExtractConfig:
+    # Default: the prepare stage's output for this config.
+    prepared_data: Optional[str] = None
+    # Default: <paths.artifacts>/hidden/<fingerprint>.
+    output_dir: Optional[str] = None
+    # Decoder layers whose outputs feed the draft; default [1, N//2-1, N-4].
+    aux_layer_ids: Optional[List[int]] = None
+    max_seq_len: int = 2048
+    batch_size: int = 8
+    # Tokens per shard before a new shard starts (whole samples only).
+    shard_tokens: int = 262144
+    dtype: HiddenDType = HiddenDType.bfloat16
+    verify: VerifyMode = VerifyMode.size
+
+
+@dataclass
+class VocabConfig:
+    draft_vocab_size: int = 32000
+    # Default: <paths.artifacts>/vocab/<fingerprint>.
+    output_dir: Optional[str] = None
+
+
+@dataclass
+class TrainConfig:
+    ttt_steps: int = 7
+    step_weight: float = 0.8
+    lr: float = 1e-4
+    warmup_steps: int = 50
+    weight_decay: float = 0.0
+    batch_size: int = 4
+    val_fraction: float = 0.05
+    num_workers: int = 0
+    freeze_embeddings: bool = True
+    intermediate_size: Optional[int] = None
+    seed: int = 0
+    # "auto": continue from this run folder's last checkpoint; "none"; or a .ckpt path.
+    resume: str = "auto"
+    # Default: the Hydra run folder.
+    output_dir: Optional[str] = None
+
+
+@dataclass
+class TrainerConfig:
+    """Passed to lightning.Trainer."""
+
+    accelerator: str = "auto"
+    devices: str = "auto"
+    strategy: str = "auto"
+    precision: str = "32"
+    max_steps: int = 200
+    max_epochs: Optional[int] = None
+    gradient_clip_val: Optional[float] = 0.5
+    accumulate_grad_batches: int = 1
+    log_every_n_steps: int = 10
+    val_check_interval: Optional[float] = None
+    enable_progress_bar: bool = True
+
+
+@dataclass
+class EvalConfig:
+    depth: int = 5
+    max_samples: int = 64
+
+
+@dataclass
+class LoggerConfig:
+    name: LoggerName = LoggerName.wandb
+    project: str = "eagle3x"
+    entity: Optional[str] = None
+    # online | offline | disabled; offline needs no network (`wandb sync` later).
+    mode: str = "offline"
+    group: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
+class Eagle3xConfig:
+    stage: Stage = MISSING
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
+    extract: ExtractConfig = field(default_factory=ExtractConfig)
+    vocab: VocabConfig = field(default_factory=VocabConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+
+#: Config groups whose option is chosen with `group=option` (one YAML file each).
+GROUPS = ("verifier", "data", "engine", "logger")
+
+#: Names other tools use for keys eagle3x has under another name.
+ALIASES = {
+    "data_path": ["extract.prepared_data", "data.path"],
+    "dataset": ["data.path"],
+    "dataset_path": ["data.path"],
+    "input": ["data.path"],
+    "prepared": ["extract.prepared_data"],
+    "prepared_data_path": ["extract.prepared_data"],
+    "model": ["verifier.path"],
+    "model_path": ["verifier.path"],
+    "target_model": ["verifier.path"],
+    "target_model_path": ["verifier.path"],
+    "verifier_path": ["verifier.path"],
+    "tp": ["engine.tensor_parallel_size"],
+    "tp_size": ["engine.tensor_parallel_size"],
+    "tensor_parallel": ["engine.tensor_parallel_size"],
+    "output": ["extract.output_dir"],
+    "output_path": ["extract.output_dir"],
+    "out_dir": ["extract.output_dir"],
+    "layers": ["extract.aux_layer_ids"],
+    "aux_layers": ["extract.aux_layer_ids"],
+    "layer_ids": ["extract.aux_layer_ids"],
+    "seq_len": ["extract.max_seq_len"],
+    "max_length": ["extract.max_seq_len"],
+    "max_len": ["extract.max_seq_len"],
+    "samples": ["data.num_samples"],
+    "n_samples": ["data.num_samples"],
+    "num_examples": ["data.num_samples"],
+    "vocab_size": ["vocab.draft_vocab_size"],
+    "draft_vocab": ["vocab.draft_vocab_size"],
+    "epochs": ["trainer.max_epochs"],
+    "num_epochs": ["trainer.max_epochs"],
+    "steps": ["trainer.max_steps"],
+    "learning_rate": ["train.lr"],
+    "resume_from": ["train.resume"],
+    "ckpt_path": ["train.resume"],
+}
+
+
+def register() -> None:
+    """Register the root schema in Hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="eagle3x_schema", node=Eagle3xConfig)

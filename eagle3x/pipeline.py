@@ -1,0 +1,56 @@
+"""Run a stage (or all of them in order) for a validated config."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Callable, Dict, Optional
+
+from omegaconf import DictConfig
+
+log = logging.getLogger("eagle3x")
+
+#: Stage name -> "module:function"; imported only when the stage runs.
+STAGES: Dict[str, str] = {
+    "prepare": "eagle3x.stages.prepare:run",
+    "extract": "eagle3x.stages.extract:run",
+    "vocab": "eagle3x.stages.vocab:run",
+    "train": "eagle3x.stages.train:run",
+    "eval": "eagle3x.stages.evaluate:run",
+    "export": "eagle3x.stages.export:run",
+}
+ORDER_ALL = ("prepare", "extract", "vocab", "train", "eval")
+
+
+def _load(stage: str) -> Callable[[DictConfig], str]:
+    import importlib
+
+    module, func = STAGES[stage].split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def run_one(stage: str, cfg: DictConfig) -> str:
+    t0 = time.perf_counter()
+    out = _load(stage)(cfg)
+    log.info("stage %s done in %.1fs -> %s", stage, time.perf_counter() - t0, out)
+    return out
+
+
+def run(cfg: DictConfig) -> Optional[str]:
+    """Run cfg.stage; known errors end the process with a one-line message and status 1."""
+    from eagle3x.artifacts import ArtifactError
+    from eagle3x.data.conversations import DataError
+
+    stage = cfg.stage.value
+    try:
+        if stage == "all":
+            out = None
+            for s in ORDER_ALL:
+                out = run_one(s, cfg)
+            return out
+        return run_one(stage, cfg)
+    except (DataError, ArtifactError) as exc:
+        log.error("%s", exc)
+        sys.stderr.write(f"eagle3x: {exc}\n")
+        sys.exit(1)

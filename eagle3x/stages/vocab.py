@@ -1,0 +1,101 @@
+"""Stage `vocab`: the draft vocabulary and the d2t / t2d maps vLLM and SGLang read.
+
+The draft predicts over the `draft_vocab_size` most frequent trained target tokens
+(assistant tokens of the first `data.num_samples` prepared samples; ties go to the lower
+id). Draft ids are sorted by target id, and
+
+    target_id = draft_id + d2t[draft_id]        t2d[target_id] = in the draft vocab
+
+``vocab.safetensors`` holds ``d2t`` (int64 [draft]), ``t2d`` (bool [target]) and
+``counts`` (int64 [target]).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Dict, Tuple
+
+from omegaconf import DictConfig
+
+from eagle3x import artifacts, layout
+from eagle3x.stages.common import plain_config, reusable, verifier_path
+
+log = logging.getLogger("eagle3x")
+FILE = "vocab.safetensors"
+
+
+def build_mapping(counts: Any, draft_size: int) -> Tuple[Any, Any, int]:
+    """(d2t, t2d, filled) from token counts; `filled` ids were added without being seen."""
+    import numpy as np
+
+    counts = np.asarray(counts, dtype=np.int64)
+    target_size = len(counts)
+    if draft_size > target_size:
+        raise ValueError(f"draft vocab {draft_size} > target vocab {target_size}")
+    seen = np.flatnonzero(counts > 0)
+    # Most frequent first, ties broken by the lower id (lexsort: last key is primary).
+    ranked = seen[np.lexsort((seen, -counts[seen]))]
+    chosen = ranked[:draft_size]
+    filled = draft_size - len(chosen)
+    if filled > 0:
+        unused = np.setdiff1d(np.arange(target_size), chosen, assume_unique=True)
+        chosen = np.concatenate([chosen, unused[:filled]])
+    chosen = np.sort(chosen)
+    d2t = (chosen - np.arange(draft_size)).astype(np.int64)
+    t2d = np.zeros(target_size, dtype=bool)
+    t2d[chosen] = True
+    return d2t, t2d, max(filled, 0)
+
+
+def count_targets(prepared: Dict[str, Any], target_size: int) -> Any:
+    """Counts of token ids on loss-masked positions of the first prepared["n"] samples."""
+    import numpy as np
+
+    end = int(prepared["offsets"][prepared["n"]])
+    ids = prepared["input_ids"][:end]
+    mask = prepared["loss_mask"][:end].astype(bool)
+    return np.bincount(ids[mask], minlength=target_size)[:target_size].astype(np.int64)
+
+
+def run(cfg: DictConfig) -> str:
+    out = layout.vocab_dir(cfg)
+    fp = layout.vocab_fingerprint(cfg)
+    if reusable(out, fp, "the draft vocabulary"):
+        return str(out)
+    from safetensors.numpy import save_file
+
+    from eagle3x.stages import prepare
+    from eagle3x.verifier import read_info
+
+    info = read_info(verifier_path(cfg))
+    data = prepare.load(layout.prepared_dir(cfg), cfg.data.num_samples)
+    counts = count_targets(data, info.vocab_size)
+    d2t, t2d, filled = build_mapping(counts, cfg.vocab.draft_vocab_size)
+    if filled:
+        log.warning("only %d distinct trained tokens: filled the draft vocab with the %d lowest "
+                    "unused ids", cfg.vocab.draft_vocab_size - filled, filled)
+    covered = int(counts[t2d].sum())
+    stats = {"draft_vocab_size": len(d2t), "target_vocab_size": info.vocab_size,
+             "distinct_tokens": int((counts > 0).sum()), "filled": filled,
+             "trained_tokens": int(counts.sum()),
+             "coverage": covered / max(int(counts.sum()), 1), "samples": data["n"]}
+    manifest = artifacts.new_manifest("vocab", plain_config(cfg), fp, stats=stats)
+    with artifacts.building(out) as tmp:
+        save_file({"d2t": d2t, "t2d": t2d, "counts": counts}, str(Path(tmp) / FILE))
+        manifest["files"] = [artifacts.file_entry(Path(tmp) / FILE)]
+        manifest["complete"] = True
+        artifacts.write_json_atomic(Path(tmp) / artifacts.MANIFEST, manifest)
+    log.info("draft vocab %d of %d tokens covers %.1f%% of trained tokens -> %s",
+             len(d2t), info.vocab_size, 100 * stats["coverage"], out)
+    return str(out)
+
+
+def load(folder: str | Path) -> Dict[str, Any]:
+    """d2t, t2d and counts (numpy) of a finished vocab folder."""
+    from safetensors.numpy import load_file
+
+    folder = Path(folder)
+    m = artifacts.read_manifest(folder)
+    artifacts.verify_files(folder, m)
+    return {"manifest": m, **load_file(str(artifacts.safe_member(folder, FILE)))}

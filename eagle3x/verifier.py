@@ -1,0 +1,77 @@
+"""What eagle3x needs to know about a verifier, read from its folder without torch."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+#: Files whose content decides how text becomes token ids.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "chat_template.json", "tokenizer.model")
+
+
+@dataclass(frozen=True)
+class VerifierInfo:
+    """Shape facts from a verifier's config.json."""
+
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    architectures: tuple
+    raw: dict
+
+    @classmethod
+    def from_config(cls, raw: dict) -> "VerifierInfo":
+        text = raw.get("text_config", raw)  # multimodal wrappers keep the LM under text_config
+        heads = int(text.get("num_attention_heads", 0))
+        return cls(
+            num_layers=int(text["num_hidden_layers"]),
+            hidden_size=int(text["hidden_size"]),
+            vocab_size=int(text["vocab_size"]),
+            num_heads=heads,
+            num_kv_heads=int(text.get("num_key_value_heads") or heads),
+            intermediate_size=int(text.get("intermediate_size", 0)),
+            architectures=tuple(raw.get("architectures") or ()),
+            raw=text,
+        )
+
+
+def read_info(path: str | Path) -> VerifierInfo:
+    """Read config.json of a verifier folder; KeyError/OSError/ValueError on a bad one."""
+    with open(Path(path) / "config.json", encoding="utf-8") as f:
+        return VerifierInfo.from_config(json.load(f))
+
+
+def default_aux_layers(num_layers: int) -> List[int]:
+    """Low / middle / high decoder layers, as EAGLE-3 trainers choose them."""
+    return [1, max(num_layers // 2 - 1, 0), max(num_layers - 4, 0)]
+
+
+def aux_layers(cfg_ids: Optional[Sequence[int]], num_layers: int) -> List[int]:
+    return list(cfg_ids) if cfg_ids else default_aux_layers(num_layers)
+
+
+def fingerprint(path: str | Path, tiny: bool = False) -> str:
+    """A hash of what makes a verifier's hidden states: config.json and tokenizer files.
+
+    The embedded tiny verifier is identified by its spec, so its fingerprint is known
+    before it is first built.
+    """
+    if tiny:
+        from eagle3x.tiny import SPEC_ID
+
+        return hashlib.sha256(SPEC_ID.encode()).hexdigest()
+    h = hashlib.sha256()
+    root = Path(path)
+    for name in ("config.json",) + TOKENIZER_FILES:
+        p = root / name
+        if p.is_file():
+            h.update(name.encode())
+            h.update(hashlib.sha256(p.read_bytes()).digest())
+    return h.hexdigest()
