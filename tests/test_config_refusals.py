@@ -1,0 +1,212 @@
+"""Every mistake is refused at startup: exit status 2, one report naming the key and the fix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import write_jsonl
+
+HEAVY = ("torch", "vllm", "lightning", "transformers")
+
+
+def refused(result: subprocess.CompletedProcess, *needles: str) -> str:
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    assert "refused before start" in result.stderr
+    for n in needles:
+        assert n in result.stderr, f"{n!r} not in:\n{result.stderr}"
+    return result.stderr
+
+
+def test_unknown_key_in_stage_section_suggests_the_real_one(cli):
+    err = refused(cli("stage=extract", "extract.data_path=/x"), "extract.data_path=/x",
+                  "`extract` has no key `data_path`", "command line")
+    assert err.index("extract.prepared_data") < err.index("data.path")
+
+
+def test_unknown_top_level_key(cli):
+    refused(cli("stage=extract", "data_path=/x"), "no such key `data_path`", "extract.prepared_data")
+
+
+def test_unknown_key_in_group_section(cli):
+    refused(cli("stage=extract", "engine.tp=2"), "`engine` has no key `tp`",
+            "engine.tensor_parallel_size")
+
+
+def test_misspelt_key_gets_the_near_spelling(cli):
+    refused(cli("stage=train", "trainer.max_step=5"), "trainer.max_steps")
+
+
+def test_leaf_in_wrong_section_names_where_it_lives(cli):
+    refused(cli("stage=extract", "batch_size=4"), "extract.batch_size", "train.batch_size")
+
+
+def test_wrong_type(cli):
+    refused(cli("stage=extract", "extract.batch_size=abc"), "extract.batch_size=abc", "wrong type",
+            "int")
+
+
+def test_wrong_enum_value_lists_choices(cli):
+    refused(cli("stage=extract", "extract.dtype=fp8"), "bfloat16", "float32")
+
+
+def test_misspelt_group_option(cli):
+    refused(cli("stage=extract", "engine=vlm"), "`vlm` is not an option of group `engine`",
+            "did you mean `vllm`", "options of `engine`: hf, vllm")
+
+
+def test_unknown_stage_lists_stages(cli):
+    refused(cli("stage=trian"), "prepare", "extract", "vocab", "train", "all")
+
+
+def test_missing_stage_lists_stages(cli):
+    refused(cli(), "no stage given", "stage=prepare", "stage=all")
+
+
+def test_value_out_of_range(cli):
+    refused(cli("stage=extract", "extract.batch_size=0"), "extract.batch_size=0", "at least 1")
+
+
+def test_key_given_twice(cli):
+    refused(cli("stage=prepare", "extract.max_seq_len=64", "extract.max_seq_len=128"), "given twice")
+
+
+def test_every_problem_in_one_report(cli):
+    err = refused(cli("stage=extract", "extract.data_path=/x", "engine=vlm", "extract.batch_size=abc"))
+    assert "3 problems" in err
+
+
+def test_missing_data_file(cli, tmp_path):
+    refused(cli("stage=prepare", f"data.path={tmp_path}/nope.jsonl"), "data.path", "does not exist")
+
+
+def test_first_record_must_parse(cli, tmp_path):
+    bad = write_jsonl(tmp_path / "bad.jsonl", ["{not json"])
+    refused(cli("stage=prepare", f"data.path={bad}"), f"{bad}:1", "not json")
+
+
+def test_verifier_without_config_json(cli, tmp_path):
+    (tmp_path / "empty_model").mkdir()
+    refused(cli("stage=prepare", "verifier=local", f"verifier.path={tmp_path}/empty_model"),
+            "no config.json")
+
+
+def test_local_verifier_needs_a_path(cli):
+    refused(cli("stage=prepare", "verifier=local"), "verifier.path", "required")
+
+
+def test_more_tensor_parallel_ranks_than_gpus(cli):
+    refused(cli("stage=extract", "engine.tensor_parallel_size=8", env={"EAGLE3X_GPU_COUNT": "2"}),
+            "8 ranks, but this machine shows 2 GPU(s)")
+
+
+def test_tensor_parallel_within_gpus_is_accepted_by_that_check(cli):
+    r = cli("stage=extract", "engine.tensor_parallel_size=8", env={"EAGLE3X_GPU_COUNT": "8"})
+    assert "ranks, but this machine" not in r.stderr
+
+
+def test_aux_layer_out_of_range(cli):
+    refused(cli("stage=extract", "extract.aux_layer_ids=[1,3,30]"), "[30]", "8 layers")
+
+
+def test_aux_layers_must_be_three(cli):
+    refused(cli("stage=extract", "extract.aux_layer_ids=[1,2]"), "three layer ids")
+
+
+def test_draft_vocab_larger_than_verifier(cli):
+    refused(cli("stage=vocab", "vocab.draft_vocab_size=5000"), "larger than the verifier's vocabulary")
+
+
+def test_not_enough_disk_for_hidden_states(cli):
+    err = refused(cli("stage=all", env={"EAGLE3X_FREE_BYTES": "1000"}), "not enough disk",
+                  "x 4 x 128 x 2 bytes")
+    assert "1000 B free" in err
+
+
+def test_missing_prepared_data_names_the_command(cli):
+    refused(cli("stage=extract", "extract.batch_size=4"), "no prepared data",
+            "python -m eagle3x stage=prepare extract.batch_size=4")
+
+
+def test_explicit_prepared_data_missing(cli, tmp_path):
+    refused(cli("stage=vocab", f"extract.prepared_data={tmp_path}/none"), f"{tmp_path}/none")
+
+
+def test_sweep_refused_before_any_job_runs(cli, store):
+    err = refused(cli("-m", "stage=prepare", "data.num_samples=10,0"), "data.num_samples=0",
+                  "at least 1")
+    assert not store.exists() and not (store.parent / "multirun").exists()
+
+
+def test_num_samples_beyond_data(cli):
+    refused(cli("stage=prepare", "data.num_samples=100000"), "holds 320")
+
+
+def test_refusal_imports_no_heavy_library(cli):
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "eagle3x", "stage=extract",
+                        "extract.data_path=/x"], cwd=cli.cwd, capture_output=True, text=True)
+    assert r.returncode == 2
+    imported = {line.split("|")[-1].strip().split(".")[0] for line in r.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert imported, "importtime printed nothing"
+    assert not imported & set(HEAVY), imported & set(HEAVY)
+
+
+def test_cfg_job_prints_config_without_stage(cli):
+    r = cli("--cfg", "job")
+    assert r.returncode == 0, r.stderr
+    assert "prepared_data" in r.stdout and "draft_vocab_size" in r.stdout
+
+
+def test_cfg_job_still_refuses_unknown_keys(cli):
+    refused(cli("--cfg", "job", "extract.data_path=/x"), "extract.prepared_data")
+
+
+def test_help_works(cli):
+    r = cli("--help")
+    assert r.returncode == 0 and "stage" in r.stdout
+
+
+def test_group_yaml_with_unknown_key_names_the_file(tmp_path):
+    """A typo inside a group YAML file is refused and the file is named."""
+    import shutil
+
+    from eagle3x.config import compose
+
+    conf = tmp_path / "conf"
+    shutil.copytree(compose.conf_dir(), conf)
+    (conf / "engine" / "vllm.yaml").write_text("name: vllm\ntensor_paralel_size: 2\n")
+    original = compose.conf_dir
+    compose.conf_dir = lambda: conf
+    try:
+        cfg, problems = compose.compose_checked(["stage=extract"])
+    finally:
+        compose.conf_dir = original
+    assert cfg is None
+    text = "\n".join(p.render() for p in problems)
+    assert "conf/engine/vllm.yaml" in text and "tensor_paralel_size" in text
+
+
+@pytest.mark.parametrize("key", ["extract.prepared_data", "extract.output_dir", "extract.aux_layer_ids",
+                                 "extract.max_seq_len", "extract.batch_size", "engine.tensor_parallel_size",
+                                 "data.num_samples", "verifier.path", "vocab.draft_vocab_size"])
+def test_public_contract_keys_exist(key):
+    from eagle3x.config.compose import _compose, all_keys, setup
+
+    setup()
+    assert key in all_keys(_compose([]))
+
+
+def test_default_vocab_size_is_32000_outside_the_tiny_preset():
+    from eagle3x.config.schema import VocabConfig
+
+    assert VocabConfig().draft_vocab_size == 32000
+
+
+def test_valid_command_passes_validation(store, tiny_verifier):
+    from eagle3x.__main__ import validate
+
+    assert validate(["stage=prepare"]) == []
+    assert validate(["-m", "stage=prepare", "data.num_samples=5,10"]) == []
