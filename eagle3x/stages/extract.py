@@ -1,0 +1,237 @@
+"""Stage `extract`: run the verifier over prepared samples, store hidden states in shards.
+
+Resumable and incremental: the manifest lists whole shards; a rerun continues after the
+last one, and asking for more samples extracts only the missing ones. A shard that fails
+its check (size, or sha256 with ``extract.verify=sha256``) is re-extracted in place.
+SIGINT/SIGTERM write the samples done so far as a last whole shard, then stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional
+
+from omegaconf import DictConfig
+
+from eagle3x import artifacts, layout
+from eagle3x.data import shards
+from eagle3x.stages.common import plain_config, verifier_path
+
+log = logging.getLogger("eagle3x")
+
+
+class Plan:
+    """What an extraction for this config reads and writes."""
+
+    def __init__(self, cfg: DictConfig):
+        from eagle3x.verifier import aux_layers, read_info
+
+        self.cfg = cfg
+        self.verifier = verifier_path(cfg)
+        self.info = read_info(self.verifier)
+        self.aux_ids = aux_layers(cfg.extract.aux_layer_ids, self.info.num_layers)
+        self.prepared = layout.prepared_dir(cfg)
+        self.out = layout.hidden_dir(cfg, self.aux_ids)
+        self.fingerprint = layout.hidden_fingerprint(cfg, self.aux_ids)
+
+    def header(self) -> Dict[str, Any]:
+        return {"verifier": {"path": str(self.verifier),
+                             "fingerprint": layout.verifier_fingerprint(self.cfg)},
+                "aux_layer_ids": self.aux_ids, "hidden_size": self.info.hidden_size,
+                "num_layers": self.info.num_layers, "dtype": self.cfg.extract.dtype.value,
+                "prepared": {"path": str(self.prepared),
+                             "fingerprint": artifacts.read_manifest(self.prepared)["fingerprint"]}}
+
+
+def make_engine(plan: Plan) -> Any:
+    cfg = plan.cfg
+    if cfg.engine.name.value == "hf":
+        from eagle3x.engines.hf import HFEngine
+
+        return HFEngine(plan.verifier, plan.aux_ids, cfg.engine.dtype, cfg.engine.device,
+                        cfg.verifier.trust_remote_code)
+    from eagle3x.engines.vllm import VLLMEngine
+
+    settings = dict(cfg.engine)
+    settings["trust_remote_code"] = cfg.verifier.trust_remote_code
+    return VLLMEngine(plan.verifier, plan.aux_ids, plan.info.num_layers,
+                      float(plan.info.raw.get("rms_norm_eps", 1e-6)), cfg.extract.max_seq_len,
+                      settings, plan.out)
+
+
+@contextmanager
+def _stop_requests() -> Iterator[Dict[str, Optional[int]]]:
+    """Turn SIGINT/SIGTERM into a flag the loop checks between batches."""
+    state: Dict[str, Optional[int]] = {"signal": None}
+
+    def handler(signum, _frame):
+        state["signal"] = signum
+        log.warning("signal %d: finishing the current batch, then writing a last whole shard", signum)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield state
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+@contextmanager
+def _exclusive(folder: Path) -> Iterator[None]:
+    from filelock import FileLock, Timeout
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(folder) + ".lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.warning("another eagle3x process is extracting into %s; waiting for it", folder)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def open_manifest(plan: Plan) -> Dict[str, Any]:
+    """The folder's manifest (created if new), checked against this plan, orphans adopted."""
+    out = plan.out
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / artifacts.MANIFEST).exists():
+        m = artifacts.read_manifest(out)
+        if m.get("fingerprint") != plan.fingerprint:
+            raise artifacts.ArtifactError(
+                f"{out / artifacts.MANIFEST}: these shards come from another verifier, aux "
+                f"layers, dtype or prepared data (fingerprint {m.get('fingerprint')}, this run "
+                f"{plan.fingerprint}); refusing to mix them. Choose another extract.output_dir.")
+    else:
+        m = artifacts.new_manifest("hidden", plain_config(plan.cfg), plan.fingerprint,
+                                   shards=[], samples=0, **plan.header())
+        m["complete"] = True  # a hidden-state manifest always describes whole shards
+        artifacts.write_json_atomic(out / artifacts.MANIFEST, m)
+    adopted = shards.adopt_orphans(out, m)
+    if adopted:
+        log.info("adopting %d shard(s) written before an interruption", len(adopted))
+        m["shards"] += adopted
+        m["samples"] += sum(a["num_samples"] for a in adopted)
+        artifacts.write_json_atomic(out / artifacts.MANIFEST, m)
+    return m
+
+
+class _Writer:
+    """Collects extracted samples and writes whole shards of about `shard_tokens`."""
+
+    def __init__(self, plan: Plan, manifest: Dict[str, Any], dtype: Any):
+        self.plan, self.m, self.dtype = plan, manifest, dtype
+        self.buf: List[tuple] = []
+        self.tokens = 0
+
+    def add(self, ids: Any, mask: Any, aux: Any, last: Any) -> None:
+        self.buf.append((ids, mask, aux.to(self.dtype), last.to(self.dtype)))
+        self.tokens += len(ids)
+        if self.tokens >= self.plan.cfg.extract.shard_tokens:
+            self.flush()
+
+    def flush(self, index: Optional[int] = None, first: Optional[int] = None) -> Optional[Dict[str, Any]]:
+        import torch
+
+        if not self.buf:
+            return None
+        lengths = [len(b[0]) for b in self.buf]
+        tensors = {
+            "input_ids": torch.cat([torch.as_tensor(b[0], dtype=torch.int32) for b in self.buf]),
+            "loss_mask": torch.cat([torch.as_tensor(b[1], dtype=torch.uint8) for b in self.buf]),
+            "aux_hidden": torch.cat([b[2] for b in self.buf]),
+            "last_hidden": torch.cat([b[3] for b in self.buf]),
+            "offsets": torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0),
+        }
+        replacing = index is not None
+        index = len(self.m["shards"]) if index is None else index
+        first = self.m["samples"] if first is None else first
+        entry = shards.write_shard(self.plan.out, index, tensors, first, self.plan.fingerprint)
+        if replacing:
+            self.m["shards"][index] = entry
+        else:
+            self.m["shards"].append(entry)
+            self.m["samples"] += entry["num_samples"]
+        artifacts.write_json_atomic(self.plan.out / artifacts.MANIFEST, self.m)
+        self.buf, self.tokens = [], 0
+        return entry
+
+
+def _samples(prepared: Dict[str, Any], start: int, end: int) -> Iterator[tuple]:
+    offs = prepared["offsets"]
+    for k in range(start, end):
+        a, b = int(offs[k]), int(offs[k + 1])
+        yield k, prepared["input_ids"][a:b], prepared["loss_mask"][a:b]
+
+
+def run(cfg: DictConfig) -> str:
+    from tqdm import tqdm
+
+    from eagle3x.engines.base import torch_dtype
+    from eagle3x.stages import prepare
+
+    plan = Plan(cfg)
+    data = prepare.load(plan.prepared, cfg.data.num_samples)
+    target = data["n"]
+    dtype = torch_dtype(cfg.extract.dtype.value)
+    with _exclusive(plan.out):
+        m = open_manifest(plan)
+        bad = [i for i, e in enumerate(m["shards"])
+               if shards.check_shard(plan.out, e, full=cfg.extract.verify.value == "sha256")]
+        if m["samples"] >= target and not bad:
+            log.info("reusing hidden states at %s: %d samples in %d shards (%d asked for)",
+                     plan.out, m["samples"], len(m["shards"]), target)
+            return str(plan.out)
+        t0 = time.perf_counter()
+        done_before, shards_before = m["samples"], len(m["shards"])
+        log.info("extracting samples %d..%d with engine=%s into %s", done_before, target - 1,
+                 cfg.engine.name.value, plan.out)
+        engine = make_engine(plan)
+        new_tokens = 0
+        try:
+            writer = _Writer(plan, m, dtype)
+            for i in bad:
+                e = m["shards"][i]
+                log.warning("re-extracting %s (failed its check)", e["name"])
+                for _, ids, mask in _samples(data, e["first_sample"], e["first_sample"] + e["num_samples"]):
+                    aux, last = engine.extract([ids.tolist()])[0]
+                    writer.buf.append((ids, mask, aux.to(dtype), last.to(dtype)))
+                writer.flush(index=i, first=e["first_sample"])
+            bar = tqdm(total=target, initial=m["samples"], desc="extract", unit="sample",
+                       dynamic_ncols=True)
+            with _stop_requests() as stop:
+                pending = list(_samples(data, m["samples"], target))
+                bs = cfg.extract.batch_size
+                for b in range(0, len(pending), bs):
+                    batch = pending[b:b + bs]
+                    outs = engine.extract([ids.tolist() for _, ids, _ in batch])
+                    for (_, ids, mask), (aux, last) in zip(batch, outs):
+                        writer.add(ids, mask, aux, last)
+                        new_tokens += len(ids)
+                    bar.update(len(batch))
+                    bar.set_postfix(tok_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
+                    if stop["signal"] is not None:
+                        writer.flush()
+                        bar.close()
+                        log.warning("stopped by signal after %d samples; rerun to continue",
+                                    m["samples"])
+                        raise SystemExit(128 + stop["signal"])
+                writer.flush()
+            bar.close()
+        finally:
+            engine.close()
+    wall = time.perf_counter() - t0
+    total_tokens = sum(s["tokens"] for s in m["shards"])
+    total_bytes = sum(s["bytes"] for s in m["shards"])
+    log.info("extracted %d new samples (%d tokens, %.0f tok/s) in %.1fs; folder holds %d samples, "
+             "%d tokens, %d shards (+%d), %.0f bytes/token -> %s", m["samples"] - done_before,
+             new_tokens, new_tokens / max(wall, 1e-9), wall, m["samples"], total_tokens,
+             len(m["shards"]), len(m["shards"]) - shards_before,
+             total_bytes / max(total_tokens, 1), plan.out)
+    return str(plan.out)
