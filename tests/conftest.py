@@ -75,3 +75,11 @@ def messages_record(*turns) -> dict:
 def sharegpt_record(*turns) -> dict:
     names = {"user": "human", "assistant": "gpt", "system": "system"}
     return {"conversations": [{"from": names[r], "value": c} for r, c in turns]}
+
+
+def stage_output(result: subprocess.CompletedProcess, stage: str) -> Path:
+    """The artifact path a finished stage logged (`stage X done in ... -> PATH`)."""
+    for line in (result.stdout + result.stderr).splitlines():
+        if f"stage {stage} done in" in line:
+            return Path(line.split("-> ", 1)[1].strip())
+    raise AssertionError(f"stage {stage} did not finish:\n{result.stdout}\n{result.stderr}")
