@@ -252,8 +252,26 @@ def preflight(cfg: DictConfig, overrides: Sequence[str] = ()) -> List[Problem]:
                 problems.append(Problem(key, f"cannot write to {_existing_ancestor(path)}.",
                                         value=str(path)))
         if stage in ("extract", *SELF_BUILDING) and not bad_ids(ids, info):
+            problems += _foreign_shards(cfg, ids)
             problems += _disk_check(cfg, info, layout.hidden_dir(cfg, ids))
     return problems
+
+
+def _foreign_shards(cfg: DictConfig, ids: List[int]) -> List[Problem]:
+    """An explicit extract.output_dir holding shards of another verifier/layers/data."""
+    if not cfg.extract.output_dir:
+        return []
+    out = layout.hidden_dir(cfg, ids)
+    try:
+        have = artifacts.read_manifest(out).get("fingerprint")
+    except artifacts.ArtifactError:
+        return []
+    want = layout.hidden_fingerprint(cfg, ids)
+    if have == want:
+        return []
+    return [Problem("extract.output_dir", f"{out} holds hidden states of another verifier, aux "
+                    "layers, dtype or prepared data; eagle3x will not mix them.", value=str(out),
+                    hint="choose another extract.output_dir, or run with the settings that made it")]
 
 
 def bad_ids(ids: List[int], info: VerifierInfo) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -199,12 +200,15 @@ def run(cfg: DictConfig) -> str:
             for i in bad:
                 e = m["shards"][i]
                 log.warning("re-extracting %s (failed its check)", e["name"])
-                for _, ids, mask in _samples(data, e["first_sample"], e["first_sample"] + e["num_samples"]):
-                    aux, last = engine.extract([ids.tolist()])[0]
-                    writer.buf.append((ids, mask, aux.to(dtype), last.to(dtype)))
+                todo = list(_samples(data, e["first_sample"], e["first_sample"] + e["num_samples"]))
+                for b in range(0, len(todo), cfg.extract.batch_size):
+                    batch = todo[b:b + cfg.extract.batch_size]
+                    outs = engine.extract([ids.tolist() for _, ids, _ in batch])
+                    for (_, ids, mask), (aux, last) in zip(batch, outs):
+                        writer.buf.append((ids, mask, aux.to(dtype), last.to(dtype)))
                 writer.flush(index=i, first=e["first_sample"])
             bar = tqdm(total=target, initial=m["samples"], desc="extract", unit="sample",
-                       dynamic_ncols=True)
+                       dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 10)
             with _stop_requests() as stop:
                 pending = list(_samples(data, m["samples"], target))
                 bs = cfg.extract.batch_size
