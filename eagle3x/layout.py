@@ -82,3 +82,17 @@ def command_for(stage: str, overrides: List[str]) -> str:
     """The command line that runs `stage` with the same overrides."""
     kept = [o for o in overrides if not o.startswith("stage=")]
     return " ".join(["python -m eagle3x", f"stage={stage}", *kept])
+
+
+def run_dir(cfg: Any) -> Path:
+    """Where train / eval / export write: train.output_dir, else this Hydra job's folder."""
+    if cfg.train.output_dir:
+        return _abs(cfg.train.output_dir)
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            return _abs(HydraConfig.get().runtime.output_dir)
+    except Exception:
+        pass
+    return _abs("outputs") / "train"

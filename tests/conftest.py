@@ -29,7 +29,7 @@ def tiny_verifier(cache_dir) -> Path:
     """The embedded tiny verifier, built once per session (or reused from EAGLE3X_CACHE)."""
     from eagle3x import tiny
 
-    return tiny.build(cache_dir / "tiny-llama-v1")
+    return tiny.build(cache_dir / "tiny-llama-v2")
 
 
 @pytest.fixture

@@ -169,6 +169,8 @@ class TrainerConfig:
 class EvalConfig:
     depth: int = 5
     max_samples: int = 64
+    # Exported draft folder to evaluate; default: <train output dir>/draft.
+    draft: Optional[str] = None
 
 
 @dataclass

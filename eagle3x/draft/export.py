@@ -1,0 +1,86 @@
+"""Export a trained draft as the folder vLLM's and SGLang's EAGLE-3 loaders read.
+
+    draft/config.json        LlamaForCausalLMEagle3 config: sizes, heads, rope, vocabularies,
+                             target_hidden_size, eagle_config.eagle_aux_hidden_state_layer_ids
+    draft/model.safetensors  fc, midlayer.*, norm, lm_head, d2t, t2d (no embed_tokens unless
+                             they were trained: the serving engine shares the verifier's)
+
+vLLM numbers aux layers by the decoder layer whose *input* they are, so eagle3x's layer
+k (the output of decoder layer k) is written as k + 1.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List
+
+import torch
+
+from eagle3x import artifacts
+from eagle3x.draft.model import DraftShape, Eagle3Draft
+
+WEIGHTS = "model.safetensors"
+
+
+def draft_config(shape: DraftShape, aux_layer_ids: List[int], dtype: torch.dtype) -> Dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": shape.rms_norm_eps,
+        "rope_theta": shape.rope_theta,
+        "max_position_embeddings": shape.max_position_embeddings,
+        "vocab_size": shape.target_vocab_size,
+        "draft_vocab_size": shape.draft_vocab_size,
+        "target_hidden_size": shape.target_hidden_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).replace("torch.", ""),
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [k + 1 for k in aux_layer_ids],
+                         "use_aux_hidden_state": True},
+        "eagle3x": {"aux_layer_ids": list(aux_layer_ids), "shape": shape.to_dict()},
+    }
+
+
+def export(draft: Eagle3Draft, out: str | Path, aux_layer_ids: List[int],
+           include_embeddings: bool = False, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write config.json + model.safetensors atomically into `out`."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, t in draft.state_dict().items():
+        if name.startswith("embed_tokens.") and not include_embeddings:
+            continue
+        keep = name in ("d2t", "t2d")
+        tensors[name] = t.detach().cpu().contiguous() if keep else t.detach().to(dtype).cpu().contiguous()
+    out = Path(out)
+    with artifacts.building(out) as tmp:
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        with open(tmp / "config.json", "w") as f:
+            json.dump(draft_config(draft.shape, aux_layer_ids, dtype), f, indent=2)
+    return out
+
+
+def load(folder: str | Path, embeddings: torch.Tensor | None = None) -> Eagle3Draft:
+    """Read an exported draft back (safetensors + json only); embeddings from the verifier."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    with open(folder / "config.json", encoding="utf-8") as f:
+        cfg = json.load(f)
+    shape = DraftShape(**cfg["eagle3x"]["shape"])
+    state = load_file(str(folder / WEIGHTS))
+    draft = Eagle3Draft(shape, state["d2t"], state["t2d"])
+    if embeddings is not None and "embed_tokens.weight" not in state:
+        state["embed_tokens.weight"] = embeddings
+    missing, unexpected = draft.load_state_dict({k: v.float() if v.is_floating_point() else v
+                                                 for k, v in state.items()}, strict=False)
+    if unexpected or [m for m in missing if not m.startswith("embed_tokens")]:
+        raise artifacts.ArtifactError(f"{folder / WEIGHTS}: unexpected {unexpected}, missing {missing}")
+    return draft

@@ -1,0 +1,173 @@
+"""The EAGLE-3 draft as a plain nn.Module, with the parameter names vLLM and SGLang load.
+
+    fc        [H, 3*Ht]   concatenated aux hidden states of the verifier -> H
+    midlayer  one Llama decoder layer whose attention reads [norm(embed), norm(hidden)] (2H)
+    norm      final RMSNorm;  lm_head [draft_vocab, H];  d2t / t2d vocabulary maps
+
+One draft step at position t reads the verifier feature (step 0) or its own previous
+pre-norm output (step k>0) together with the embedding of the next token, and returns
+logits over the draft vocabulary plus the pre-norm hidden state for the next step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class DraftShape:
+    hidden_size: int
+    target_hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    draft_vocab_size: int
+    target_vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    num_aux: int = 3
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (Llama's rotate-half layout). x: [B, heads, T, D]; positions: [B, T]."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    ang = positions.float()[:, None, :, None] * inv  # [B, 1, T, D/2]
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, s: DraftShape):
+        super().__init__()
+        self.s = s
+        self.q_proj = nn.Linear(2 * s.hidden_size, s.num_heads * s.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * s.hidden_size, s.num_kv_heads * s.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * s.hidden_size, s.num_kv_heads * s.head_dim, bias=False)
+        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=False)
+
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        b, t, _ = x.shape
+        s = self.s
+        q = self.q_proj(x).view(b, t, s.num_heads, s.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        q, k = rope(q, positions, s.rope_theta), rope(k, positions, s.rope_theta)
+        rep = s.num_heads // s.num_kv_heads
+        return q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                cache: List[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Training-time-test attention. cache[0] holds the step-0 keys/values of every
+        position (causal); cache[1:] hold earlier draft steps, seen only at the same
+        position (the chain a drafted token extends). The new step is appended."""
+        q, k, v = self.qkv(x, positions)
+        cache.append((k, v))
+        k0, v0 = cache[0]
+        t = x.shape[1]
+        scale = 1.0 / math.sqrt(self.s.head_dim)
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        scores = [(q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]
+        if len(cache) > 1:
+            diag = torch.stack([(q * kj).sum(-1) * scale for kj, _ in cache[1:]], dim=-1)
+            scores.append(diag)  # [B, h, T, steps]
+        probs = torch.softmax(torch.cat(scores, -1).float(), -1).to(q.dtype)
+        out = probs[..., :t] @ v0
+        if len(cache) > 1:
+            vs = torch.stack([vj for _, vj in cache[1:]], dim=-2)  # [B, h, T, steps, D]
+            out = out + (probs[..., t:].unsqueeze(-1) * vs).sum(-2)
+        b = x.shape[0]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, s: DraftShape):
+        super().__init__()
+        self.gate_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    def __init__(self, s: DraftShape):
+        super().__init__()
+        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.hidden_norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.self_attn = Attention(s)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.mlp = MLP(s)
+
+    def forward(self, embeds, hidden, positions, cache):
+        residual = hidden
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        h = self.self_attn(x, positions, cache) + residual
+        return self.mlp(self.post_attention_layernorm(h)) + h
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, s: DraftShape, d2t: torch.Tensor, t2d: torch.Tensor):
+        super().__init__()
+        self.shape = s
+        self.embed_tokens = nn.Embedding(s.target_vocab_size, s.hidden_size)
+        self.fc = nn.Linear(s.num_aux * s.target_hidden_size, s.hidden_size, bias=False)
+        self.midlayer = MidLayer(s)
+        self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.lm_head = nn.Linear(s.hidden_size, s.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", d2t.long().clone())
+        self.register_buffer("t2d", t2d.bool().clone())
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def step(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+             cache: List) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One draft step: (logits over the draft vocab, pre-norm hidden for the next step)."""
+        h = self.midlayer(self.embed_tokens(token_ids), hidden, positions, cache)
+        return self.lm_head(self.norm(h)), h
+
+    def unroll(self, aux: torch.Tensor, token_ids: torch.Tensor, steps: int,
+               positions: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+        """Training-time test over a whole sequence.
+
+        aux [B, T, 3Ht]: verifier features at each position; token_ids [B, T + steps]:
+        the tokens each step reads (step k at position t reads token_ids[:, t + k]).
+        Returns the logits of each step, [B, T, draft_vocab].
+        """
+        b, t, _ = aux.shape
+        if positions is None:
+            positions = torch.arange(t, device=aux.device).expand(b, t)
+        hidden = self.fc(aux)
+        cache: List = []
+        out = []
+        for k in range(steps):
+            logits, hidden = self.step(token_ids[:, k:k + t], hidden, positions + k, cache)
+            out.append(logits)
+        return out
