@@ -54,3 +54,12 @@ def run(cfg: DictConfig) -> Optional[str]:
         log.error("%s", exc)
         sys.stderr.write(f"eagle3x: {exc}\n")
         sys.exit(1)
+    finally:
+        _finish_wandb()
+
+
+def _finish_wandb() -> None:
+    """Close a W&B run the stages opened, so offline runs are whole for `wandb sync`."""
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and getattr(wandb, "run", None) is not None:
+        wandb.finish()

@@ -210,3 +210,7 @@ def test_valid_command_passes_validation(store, tiny_verifier):
 
     assert validate(["stage=prepare"]) == []
     assert validate(["-m", "stage=prepare", "data.num_samples=5,10"]) == []
+
+
+def test_resume_checkpoint_must_exist(cli, tmp_path):
+    refused(cli("stage=train", f"train.resume={tmp_path}/nope.ckpt"), "train.resume", "no checkpoint file")

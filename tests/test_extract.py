@@ -46,7 +46,7 @@ def test_vllm_engine_matches_hf_reference(cli, prepared, tmp_path):
     pytest.importorskip("vllm")
     common = ["stage=extract", "data.num_samples=24", "extract.dtype=float32", "extract.batch_size=8",
               "engine.dtype=float32"]
-    r_v = cli(*common, "engine=vllm", "engine.enforce_eager=true", f"extract.output_dir={tmp_path}/v")
+    r_v = cli(*common, "engine=vllm", "engine.enforce_eager=true", "engine.gpu_memory_utilization=0.3", f"extract.output_dir={tmp_path}/v")
     assert r_v.returncode == 0, r_v.stdout[-3000:] + r_v.stderr[-3000:]
     r_h = cli(*common, "engine=hf", f"extract.output_dir={tmp_path}/h")
     assert r_h.returncode == 0, r_h.stderr[-3000:]

@@ -231,6 +231,9 @@ def preflight(cfg: DictConfig, overrides: Sequence[str] = ()) -> List[Problem]:
                                     "the hf engine runs on one device; use engine=vllm for "
                                     "tensor parallelism.", value=str(tp)))
 
+    if stage in ("train", "all"):
+        problems += _train_checks(cfg)
+
     # Inputs the stage reads but does not build itself.
     if data_ok and not builds_inputs and stage in ("extract", "vocab"):
         prepared = layout.prepared_dir(cfg)
@@ -272,6 +275,20 @@ def _foreign_shards(cfg: DictConfig, ids: List[int]) -> List[Problem]:
     return [Problem("extract.output_dir", f"{out} holds hidden states of another verifier, aux "
                     "layers, dtype or prepared data; eagle3x will not mix them.", value=str(out),
                     hint="choose another extract.output_dir, or run with the settings that made it")]
+
+
+def _train_checks(cfg: DictConfig) -> List[Problem]:
+    import importlib.util
+
+    problems = []
+    if cfg.logger.name.value == "wandb" and importlib.util.find_spec("wandb") is None:
+        problems.append(Problem("logger", "wandb is not installed.", value="wandb",
+                                hint="pip install 'eagle3x[wandb]', or choose logger=csv / logger=none"))
+    r = cfg.train.resume
+    if r not in ("auto", "none") and not Path(r).is_file():
+        problems.append(Problem("train.resume", f"no checkpoint file at {r}.", value=r,
+                                hint="auto (this run folder's last.ckpt), none, or a .ckpt path"))
+    return problems
 
 
 def bad_ids(ids: List[int], info: VerifierInfo) -> bool:

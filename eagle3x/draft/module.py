@@ -33,7 +33,8 @@ class DraftModule(L.LightningModule):
                  tied_head: bool, aux_layer_ids: list, max_steps: int,
                  d2t: Optional[torch.Tensor] = None, t2d: Optional[torch.Tensor] = None):
         super().__init__()
-        self.save_hyperparameters(ignore=["d2t", "t2d"])
+        # logger=False: the run logger already carries the full resolved Hydra config.
+        self.save_hyperparameters(ignore=["d2t", "t2d"], logger=False)
         s = DraftShape(**shape)
         if d2t is None:  # restored from a checkpoint: buffers come with the state dict
             d2t = torch.zeros(s.draft_vocab_size, dtype=torch.long)

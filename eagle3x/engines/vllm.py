@@ -49,8 +49,8 @@ def engine_kwargs(verifier: Path, aux_ids: Sequence[int], num_layers: int, max_s
             "kv_connector_extra_config": {"shared_storage_path": scratch},
         },
     )
-    if torch.cuda.is_available():
-        kw["gpu_memory_utilization"] = settings["gpu_memory_utilization"]
+    # On vLLM's CPU build this is the share of CPU memory it reserves.
+    kw["gpu_memory_utilization"] = settings["gpu_memory_utilization"]
     if settings.get("max_num_batched_tokens"):
         kw["max_num_batched_tokens"] = max(settings["max_num_batched_tokens"], max_seq_len + 1)
     else:
@@ -61,8 +61,6 @@ def engine_kwargs(verifier: Path, aux_ids: Sequence[int], num_layers: int, max_s
 class VLLMEngine:
     def __init__(self, verifier: Path, aux_ids: Sequence[int], num_layers: int, rms_eps: float,
                  max_seq_len: int, settings: Dict[str, Any], scratch_parent: Path):
-        if not torch.cuda.is_available():
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         from vllm import LLM
 
         scratch_parent.mkdir(parents=True, exist_ok=True)

@@ -72,7 +72,8 @@ def make_trainer(cfg: DictConfig, out: Path, logger: Any) -> Any:
 
     t = cfg.trainer
     every = max(1, t.max_steps // 10) if t.max_steps > 0 else 500
-    callbacks = [ModelCheckpoint(dirpath=str(out / "checkpoints"), filename="step-{step}",
+    callbacks = [ModelCheckpoint(dirpath=str(out / "checkpoints"), filename="step{step:06d}",
+                                 auto_insert_metric_name=False,
                                  every_n_train_steps=every, save_last=True, save_top_k=-1)]
     if logger:
         callbacks.append(LearningRateMonitor(logging_interval="step"))

@@ -1,0 +1,91 @@
+"""Serve an exported draft with vLLM beside its verifier and check it.
+
+    python -m eagle3x.draft.vllm_check --verifier VERIFIER_DIR --draft DRAFT_DIR [--k 3]
+
+Decodes the same prompts greedily with and without EAGLE-3 speculation, prints one json
+object: whether the outputs are identical (they must be: speculation never changes
+greedy output), and vLLM's own draft / acceptance counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Dict, List, Sequence
+
+
+def _counters(llm: Any) -> Dict[str, float]:
+    out: Dict[str, float] = {}
+    try:
+        for m in llm.get_metrics():
+            if "spec_decode" in m.name and hasattr(m, "value"):
+                out[m.name.split(":")[-1]] = float(m.value)
+    except Exception:
+        pass
+    return out
+
+
+def _generate(llm: Any, prompts: Sequence[List[int]], max_tokens: int) -> List[List[int]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                        SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def check(verifier: str, draft: str, prompts: Sequence[List[int]], k: int = 3,
+          max_tokens: int = 32, memory: float = 0.3, dtype: str = "float32") -> Dict[str, Any]:
+    """Greedy outputs with and without the draft, and vLLM's speculation counters."""
+    import gc
+
+    from vllm import LLM
+
+    common = dict(model=verifier, dtype=dtype, max_model_len=1024, enforce_eager=True,
+                  gpu_memory_utilization=memory, disable_log_stats=False)
+    base = LLM(**common)
+    plain = _generate(base, prompts, max_tokens)
+    base.llm_engine.engine_core.shutdown()
+    del base
+    gc.collect()
+    spec = LLM(**common, speculative_config={"method": "eagle3", "model": draft,
+                                             "num_speculative_tokens": k})
+    drafted = _generate(spec, prompts, max_tokens)
+    counters = _counters(spec)
+    spec.llm_engine.engine_core.shutdown()
+    drafts = counters.get("spec_decode_num_drafts", 0.0)
+    accepted = counters.get("spec_decode_num_accepted_tokens", 0.0)
+    return {"identical": plain == drafted, "plain": plain, "speculative": drafted,
+            "counters": counters,
+            "mean_accepted_length": (1 + accepted / drafts) if drafts else None}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    p.add_argument("--verifier", required=True)
+    p.add_argument("--draft", required=True)
+    p.add_argument("--prompts", help="jsonl of token-id lists; default: a few from the tokenizer")
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--memory", type=float, default=0.3)
+    args = p.parse_args(argv)
+    if args.prompts:
+        with open(args.prompts, encoding="utf-8") as f:
+            prompts = [json.loads(line) for line in f if line.strip()]
+    else:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.verifier)
+        questions = ["What is 12 plus 30?", "Spell the word garden backwards.",
+                     "How many metres are in 3 kilometres?", "Can you explain what a batch is?"]
+        texts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                         add_generation_prompt=True) for q in questions]
+        prompts = [tok(t, add_special_tokens=False).input_ids for t in texts]
+    json.dump(check(args.verifier, args.draft, prompts, args.k, args.max_tokens, args.memory),
+              sys.stdout)
+    sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    main()
