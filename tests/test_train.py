@@ -17,18 +17,16 @@ from tests.conftest import stage_output
 FAST = ["trainer.max_steps=40", "train.ttt_steps=3", "eval.depth=3"]
 
 
-def untrained_report(cli_cwd: Path, run: Path, overrides: list) -> dict:
+def untrained_report(overrides: list) -> dict:
     """Eval of the freshly initialised draft, on the same held-out samples."""
-    from eagle3x.__main__ import validate  # noqa: F401  (keeps the import path honest)
-    from eagle3x.config.compose import _compose, setup
+    from eagle3x.config.compose import load_config
     from eagle3x.data.datamodule import HiddenStateDataModule
     from eagle3x.draft.module import verifier_head
     from eagle3x.stages import vocab
     from eagle3x.stages.evaluate import evaluate
     from eagle3x.stages.train import build_module
 
-    setup()
-    cfg = _compose(["stage=eval", *overrides])
+    cfg = load_config(["stage=eval", *overrides])
     module, plan = build_module(cfg, vocab.run(cfg))
     dm = HiddenStateDataModule(cfg, hidden_dir=str(plan.out))
     dm.setup()
@@ -42,7 +40,7 @@ def test_stage_all_trains_a_draft_well_above_the_untrained_one(cli, store, tmp_p
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     trained = json.loads((run / "eval.json").read_text())
     summary = json.loads((run / "train_summary.json").read_text())
-    before = untrained_report(tmp_path, run, ["engine=hf", f"train.output_dir={run}"])
+    before = untrained_report(["engine=hf", f"train.output_dir={run}"])
     assert trained["positions"] == before["positions"] > 100
     assert trained["mean_accepted_length"] > before["mean_accepted_length"] + 0.5, (trained, before)
     assert summary["metrics"]["val/acc_0"] > before["acceptance_rate_per_depth"][0] + 0.2

@@ -121,6 +121,12 @@ def _compose(overrides: List[str], with_hydra: bool = False) -> DictConfig:
         return compose("config", overrides=overrides, return_hydra_config=with_hydra)
 
 
+def load_config(overrides: Sequence[str] = ()) -> DictConfig:
+    """The composed config for `overrides` (no Hydra job), for scripts, benches and tests."""
+    setup()
+    return _compose(list(overrides))
+
+
 def _parse(overrides: Sequence[str]) -> Tuple[list, List[Problem]]:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException

@@ -194,6 +194,9 @@ def run(cfg: DictConfig) -> str:
         log.info("extracting samples %d..%d with engine=%s into %s", done_before, target - 1,
                  cfg.engine.name.value, plan.out)
         engine = make_engine(plan)
+        load_s = time.perf_counter() - t0
+        log.info("engine %s ready in %.1fs", cfg.engine.name.value, load_s)
+        t0 = time.perf_counter()
         new_tokens = 0
         try:
             writer = _Writer(plan, m, dtype)
@@ -233,9 +236,9 @@ def run(cfg: DictConfig) -> str:
     wall = time.perf_counter() - t0
     total_tokens = sum(s["tokens"] for s in m["shards"])
     total_bytes = sum(s["bytes"] for s in m["shards"])
-    log.info("extracted %d new samples (%d tokens, %.0f tok/s) in %.1fs; folder holds %d samples, "
+    log.info("extracted %d new samples (%d tokens, %.0f tok/s) in %.1fs (+%.1fs engine start); folder holds %d samples, "
              "%d tokens, %d shards (+%d), %.0f bytes/token -> %s", m["samples"] - done_before,
-             new_tokens, new_tokens / max(wall, 1e-9), wall, m["samples"], total_tokens,
+             new_tokens, new_tokens / max(wall, 1e-9), wall, load_s, m["samples"], total_tokens,
              len(m["shards"]), len(m["shards"]) - shards_before,
              total_bytes / max(total_tokens, 1), plan.out)
     return str(plan.out)
