@@ -41,6 +41,23 @@ def validate(argv: Sequence[str]) -> List[Problem]:
     return problems
 
 
+def shared_extraction(argv: Sequence[str]) -> List[str]:
+    """For a `-m` sweep over data.num_samples: the override that lets the first job extract
+    the largest count, so the other jobs reuse those hidden states (empty otherwise)."""
+    from hydra._internal.utils import get_args_parser
+
+    from eagle3x.config.compose import expand_jobs
+
+    args = get_args_parser().parse_args(list(argv))
+    if not args.multirun or any(o.startswith("extract.min_samples=") for o in args.overrides):
+        return []
+    jobs, _ = expand_jobs(args.overrides, True)
+    counts = {o.split("=", 1)[1] for job in jobs for o in job if o.startswith("data.num_samples=")}
+    if len(counts) < 2 or not all(c.isdigit() for c in counts):
+        return []
+    return [f"extract.min_samples={max(map(int, counts))}"]
+
+
 def _run_hydra() -> None:
     import hydra
     from omegaconf import DictConfig
@@ -64,6 +81,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if problems:
         sys.stderr.write(format_report(problems))
         sys.exit(EXIT_REFUSED)
+    sys.argv = [sys.argv[0], *argv, *shared_extraction(argv)]
     _run_hydra()
 
 

@@ -30,10 +30,13 @@ def _load(stage: str) -> Callable[[DictConfig], str]:
     return getattr(importlib.import_module(module), func)
 
 
-def run_one(stage: str, cfg: DictConfig) -> str:
+def run_one(stage: str, cfg: DictConfig, seconds: Optional[Dict[str, float]] = None) -> str:
     t0 = time.perf_counter()
     out = _load(stage)(cfg)
-    log.info("stage %s done in %.1fs -> %s", stage, time.perf_counter() - t0, out)
+    took = time.perf_counter() - t0
+    if seconds is not None:
+        seconds[stage] = round(took, 2)
+    log.info("stage %s done in %.1fs -> %s", stage, took, out)
     return out
 
 
@@ -42,14 +45,23 @@ def run(cfg: DictConfig) -> Optional[str]:
     from eagle3x.artifacts import ArtifactError
     from eagle3x.data.conversations import DataError
 
+    from eagle3x.stages.common import EVENTS
+
+    EVENTS.clear()  # Hydra's basic launcher runs every sweep job in this one process
     stage = cfg.stage.value
+    seconds: Dict[str, float] = {}
     try:
         if stage == "all":
             out = None
             for s in ORDER_ALL:
-                out = run_one(s, cfg)
-            return out
-        return run_one(stage, cfg)
+                out = run_one(s, cfg, seconds)
+        else:
+            out = run_one(stage, cfg, seconds)
+        if stage in ("all", "train", "eval"):
+            from eagle3x.tracking import summary
+
+            log.info("summary -> %s", summary.write(cfg, seconds))
+        return out
     except (DataError, ArtifactError) as exc:
         log.error("%s", exc)
         sys.stderr.write(f"eagle3x: {exc}\n")

@@ -145,3 +145,27 @@ def build(path: str | Path) -> Path:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def build_random(path: str | Path, device: str = "cpu", dtype: str = "bfloat16", **shape) -> Path:
+    """A random-initialised Llama of any shape with the tiny tokenizer (benchmarks only).
+
+    `shape` holds LlamaConfig fields (hidden_size, num_hidden_layers, vocab_size, ...); a
+    vocabulary larger than the tokenizer's is allowed (the extra rows are never read).
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = _build_tokenizer(path)
+    fields = dict(SPEC, **shape)
+    fields["vocab_size"] = max(fields["vocab_size"], len(tok))
+    cfg = LlamaConfig(**fields, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id)
+    cfg.dtype = dtype
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
+    model.save_pretrained(path, safe_serialization=True)
+    return path

@@ -115,6 +115,9 @@ class ExtractConfig:
     output_dir: Optional[str] = None
     # Decoder layers whose outputs feed the draft; default [1, N//2-1, N-4].
     aux_layer_ids: Optional[List[int]] = None
+    # Extract at least this many samples (a `-m` sweep over data.num_samples sets it to
+    # its largest value, so one job builds the hidden states every job reads a prefix of).
+    min_samples: Optional[int] = None
     max_seq_len: int = 2048
     batch_size: int = 8
     # Tokens per shard before a new shard starts (whole samples only).

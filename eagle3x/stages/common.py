@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -53,4 +53,13 @@ def reusable(folder: Path, fingerprint: str, what: str) -> Optional[Dict[str, An
             f"(fingerprint {m.get('fingerprint')}, this run needs {fingerprint}); "
             "choose another output folder or remove it")
     log.info("reusing %s at %s (same inputs and settings)", what, folder)
+    note(m.get("kind", what), "reused", folder)
     return m
+
+
+#: What this process built or reused, in order: (artifact kind, "built"|"reused", path).
+EVENTS: List[Tuple[str, str, str]] = []
+
+
+def note(kind: str, status: str, path: Any) -> None:
+    EVENTS.append((kind, status, str(path)))

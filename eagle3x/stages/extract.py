@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from eagle3x import artifacts, layout
 from eagle3x.data import shards
-from eagle3x.stages.common import plain_config, verifier_path
+from eagle3x.stages.common import note, plain_config, verifier_path
 
 log = logging.getLogger("eagle3x")
 
@@ -178,8 +178,12 @@ def run(cfg: DictConfig) -> str:
     from eagle3x.stages import prepare
 
     plan = Plan(cfg)
-    data = prepare.load(plan.prepared, cfg.data.num_samples)
-    target = data["n"]
+    data = prepare.load(plan.prepared)
+    if cfg.data.num_samples is not None and cfg.data.num_samples > data["n"]:
+        raise artifacts.ArtifactError(f"{plan.prepared}: data.num_samples={cfg.data.num_samples} "
+                                      f"but the prepared data holds {data['n']} samples")
+    wanted = [n for n in (cfg.data.num_samples, cfg.extract.min_samples) if n is not None]
+    target = min(max(wanted), data["n"]) if wanted and cfg.data.num_samples is not None else data["n"]
     dtype = torch_dtype(cfg.extract.dtype.value)
     with _exclusive(plan.out):
         m = open_manifest(plan)
@@ -188,6 +192,7 @@ def run(cfg: DictConfig) -> str:
         if m["samples"] >= target and not bad:
             log.info("reusing hidden states at %s: %d samples in %d shards (%d asked for)",
                      plan.out, m["samples"], len(m["shards"]), target)
+            note("hidden", "reused", plan.out)
             return str(plan.out)
         t0 = time.perf_counter()
         done_before, shards_before = m["samples"], len(m["shards"])
@@ -234,6 +239,13 @@ def run(cfg: DictConfig) -> str:
         finally:
             engine.close()
     wall = time.perf_counter() - t0
+    note("hidden", "built", plan.out)
+    m.setdefault("runs", []).append({
+        "engine": cfg.engine.name.value, "samples": m["samples"] - done_before,
+        "tokens": new_tokens, "seconds": round(wall, 3), "engine_start_seconds": round(load_s, 3),
+        "tokens_per_second": round(new_tokens / max(wall, 1e-9), 1),
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    artifacts.write_json_atomic(plan.out / artifacts.MANIFEST, m)
     total_tokens = sum(s["tokens"] for s in m["shards"])
     total_bytes = sum(s["bytes"] for s in m["shards"])
     log.info("extracted %d new samples (%d tokens, %.0f tok/s) in %.1fs (+%.1fs engine start); folder holds %d samples, "

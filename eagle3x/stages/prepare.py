@@ -14,7 +14,7 @@ from typing import Any, Dict
 from omegaconf import DictConfig
 
 from eagle3x import artifacts, layout
-from eagle3x.stages.common import load_tokenizer, plain_config, reusable
+from eagle3x.stages.common import note, load_tokenizer, plain_config, reusable
 
 log = logging.getLogger("eagle3x")
 FILE = "prepared.safetensors"
@@ -69,6 +69,7 @@ def run(cfg: DictConfig) -> str:
         manifest["files"] = [artifacts.file_entry(Path(tmp) / FILE)]
         manifest["complete"] = True
         artifacts.write_json_atomic(Path(tmp) / artifacts.MANIFEST, manifest)
+    note("prepared", "built", out)
     log.info("prepared %d samples, %d tokens (%d trained), %d truncated, %d dropped -> %s",
              stats["samples"], stats["tokens"], stats["loss_tokens"], truncated, dropped, out)
     return str(out)

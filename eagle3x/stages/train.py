@@ -93,6 +93,13 @@ def make_trainer(cfg: DictConfig, out: Path, logger: Any) -> Any:
         enable_model_summary=False)
 
 
+def _mean_tokens_per_batch(dm: Any) -> float:
+    """Average real tokens in a training batch (for throughput figures)."""
+    reader, idx = dm.train_set.reader, dm.train_set.indices
+    lengths = [reader.index[i][2] - reader.index[i][1] for i in idx]
+    return sum(lengths) / max(len(lengths), 1) * min(dm.cfg.train.batch_size, len(lengths))
+
+
 def run(cfg: DictConfig) -> str:
     import lightning as L
 
@@ -120,6 +127,7 @@ def run(cfg: DictConfig) -> str:
                        include_embeddings=not cfg.train.freeze_embeddings)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     summary = {"stage": "train", "steps": trainer.global_step, "train_seconds": wall,
+               "train_tokens_per_step": _mean_tokens_per_batch(dm),
                "train_samples": len(dm.train_set), "val_samples": len(dm.val_set),
                "metrics": metrics, "draft": str(draft_dir), "hidden": hidden, "vocab": vocab_dir}
     if logger and cfg.logger.name.value == "wandb":

@@ -19,7 +19,7 @@ from typing import Any, Dict, Tuple
 from omegaconf import DictConfig
 
 from eagle3x import artifacts, layout
-from eagle3x.stages.common import plain_config, reusable, verifier_path
+from eagle3x.stages.common import note, plain_config, reusable, verifier_path
 
 log = logging.getLogger("eagle3x")
 FILE = "vocab.safetensors"
@@ -86,6 +86,7 @@ def run(cfg: DictConfig) -> str:
         manifest["files"] = [artifacts.file_entry(Path(tmp) / FILE)]
         manifest["complete"] = True
         artifacts.write_json_atomic(Path(tmp) / artifacts.MANIFEST, manifest)
+    note("vocab", "built", out)
     log.info("draft vocab %d of %d tokens covers %.1f%% of trained tokens -> %s",
              len(d2t), info.vocab_size, 100 * stats["coverage"], out)
     return str(out)
