@@ -120,7 +120,8 @@ def _existing_ancestor(path: Path) -> Path:
 
 
 def _writable(path: Path) -> bool:
-    return os.access(_existing_ancestor(path), os.W_OK)
+    base = _existing_ancestor(path)
+    return base.is_dir() and os.access(base, os.W_OK)
 
 
 def human_bytes(n: float) -> str:
@@ -247,12 +248,14 @@ def preflight(cfg: DictConfig, overrides: Sequence[str] = ()) -> List[Problem]:
     if data_ok and info:
         outs = []
         if stage in ("prepare", *SELF_BUILDING):
-            outs.append(("prepare.output_dir", _prepared_target(cfg)))
+            outs.append(("prepare.output_dir", layout.prepared_dir(cfg)))
         if stage in ("extract", *SELF_BUILDING):
             outs.append(("extract.output_dir", layout.hidden_dir(cfg, ids)))
         for key, path in outs:
             if not _writable(path):
-                problems.append(Problem(key, f"cannot write to {_existing_ancestor(path)}.",
+                base = _existing_ancestor(path)
+                why = "is not a folder" if not base.is_dir() else "is not writable"
+                problems.append(Problem(key, f"cannot write there: {base} {why}.",
                                         value=str(path)))
         if stage in ("extract", *SELF_BUILDING) and not bad_ids(ids, info):
             problems += _foreign_shards(cfg, ids)
@@ -293,10 +296,6 @@ def _train_checks(cfg: DictConfig) -> List[Problem]:
 
 def bad_ids(ids: List[int], info: VerifierInfo) -> bool:
     return any(not 0 <= i < info.num_layers for i in ids)
-
-
-def _prepared_target(cfg: DictConfig) -> Path:
-    return layout.prepared_dir(cfg)
 
 
 def estimate_tokens(cfg: DictConfig) -> Tuple[int, str]:
