@@ -110,7 +110,7 @@ def main() -> None:
             f"train.output_dir={work / 'run'}", "train.ttt_steps=4", "train.batch_size=8",
             "train.lr=1e-3", f"trainer.max_steps={5 if args.smoke else 300}",
             "trainer.enable_progress_bar=false", "eval.depth=4", "eval.max_samples=32",
-            "train.val_fraction=0.1"]
+            f"data.holdout_samples={8 if args.smoke else 32}"]
     if device == "cuda":
         base += ["trainer.precision=bf16-mixed", "engine.dtype=bfloat16"]
     cfg = lambda *extra: load_config(["stage=all", *base, *extra])  # noqa: E731

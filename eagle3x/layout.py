@@ -69,6 +69,7 @@ def hidden_dir(cfg: Any, aux_ids: List[int]) -> Path:
 
 def vocab_fingerprint(cfg: Any) -> str:
     return artifacts.digest({"prepared": _prepared_id(cfg), "num_samples": cfg.data.num_samples,
+                             "holdout_samples": cfg.data.holdout_samples,
                              "draft_vocab_size": cfg.vocab.draft_vocab_size})
 
 
@@ -82,6 +83,19 @@ def command_for(stage: str, overrides: List[str]) -> str:
     """The command line that runs `stage` with the same overrides."""
     kept = [o for o in overrides if not o.startswith("stage=")]
     return " ".join(["python -m eagle3x", f"stage={stage}", *kept])
+
+
+def sample_split(cfg: Any, available: int) -> tuple:
+    """(holdout_end, train_end): held-out samples are [0, holdout_end), training samples
+    [holdout_end, train_end) of the prepared order."""
+    from eagle3x.artifacts import ArtifactError
+
+    hold = cfg.data.holdout_samples
+    end = hold + cfg.data.num_samples if cfg.data.num_samples else available
+    if end > available or hold >= available:
+        raise ArtifactError(f"data.holdout_samples={hold} + data.num_samples={cfg.data.num_samples} "
+                            f"need {max(end, hold + 1)} samples; the prepared data holds {available}")
+    return hold, end
 
 
 def run_dir(cfg: Any) -> Path:

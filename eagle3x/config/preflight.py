@@ -34,13 +34,13 @@ _RULES: List[Tuple[str, Callable[[Any], bool], str]] = [
     ("engine.gpu_memory_utilization", lambda v: 0 < v <= 1, "must be in (0, 1]"),
     ("engine.max_num_batched_tokens", lambda v: v is None or v >= 1, "must be at least 1"),
     ("data.num_samples", lambda v: v is None or v >= 1, "must be at least 1, or null for all"),
+    ("data.holdout_samples", lambda v: v >= 0, "must be 0 or more"),
     ("vocab.draft_vocab_size", lambda v: v >= 1, "must be at least 1"),
     ("train.ttt_steps", lambda v: v >= 1, "must be at least 1"),
     ("train.step_weight", lambda v: 0 < v <= 1, "must be in (0, 1]"),
     ("train.lr", lambda v: v > 0, "must be positive"),
     ("train.warmup_steps", lambda v: v >= 0, "must be 0 or more"),
     ("train.batch_size", lambda v: v >= 1, "must be at least 1"),
-    ("train.val_fraction", lambda v: 0 <= v < 1, "must be in [0, 1)"),
     ("train.num_workers", lambda v: v >= 0, "must be 0 or more"),
     ("trainer.max_steps", lambda v: v >= 1 or v == -1, "must be at least 1 (or -1: epochs decide)"),
     ("trainer.max_epochs", lambda v: v is None or v >= 1, "must be at least 1"),
@@ -199,12 +199,14 @@ def preflight(cfg: DictConfig, overrides: Sequence[str] = ()) -> List[Problem]:
             data_ok = False
             problems.append(Problem("data.path", why if ":" in why else f"{cfg.data.path} {why}.",
                                     value=str(cfg.data.path)))
-    if data_ok and cfg.data.num_samples:
+    if data_ok:
         n = count_records(cfg.data.path) if Path(cfg.data.path).is_file() else None
-        if n is not None and cfg.data.num_samples > n:
-            problems.append(Problem("data.num_samples", f"asks for {cfg.data.num_samples} samples "
+        hold, want = cfg.data.holdout_samples, cfg.data.num_samples or 1
+        if n is not None and hold + want > n:
+            key = "data.num_samples" if cfg.data.num_samples else "data.holdout_samples"
+            problems.append(Problem(key, f"asks for {hold} held-out + {want} training samples "
                                     f"but {cfg.data.path} holds {n}.",
-                                    value=str(cfg.data.num_samples)))
+                                    value=str(cfg.data.num_samples or hold)))
 
     ids: List[int] = []
     if info:
@@ -303,7 +305,8 @@ def estimate_tokens(cfg: DictConfig) -> Tuple[int, str]:
     m = artifacts.complete_manifest(layout.prepared_dir(cfg))
     if m:
         stats = m["stats"]
-        n = min(cfg.data.num_samples or stats["samples"], stats["samples"])
+        n = min((cfg.data.num_samples or stats["samples"]) + cfg.data.holdout_samples,
+                stats["samples"])
         return int(stats["tokens"] * n / max(stats["samples"], 1)), "from the prepared data"
     # No prepared data yet: about 3.5 characters a token, read from the first records.
     from eagle3x.data.conversations import iter_conversations
@@ -317,7 +320,8 @@ def estimate_tokens(cfg: DictConfig) -> Tuple[int, str]:
         return 0, "unknown"
     if not seen:
         return 0, "unknown"
-    total = cfg.data.num_samples or count_records(cfg.data.path) or seen
+    total = (cfg.data.num_samples + cfg.data.holdout_samples if cfg.data.num_samples
+             else count_records(cfg.data.path) or seen)
     per = min(chars / seen / 3.5, cfg.extract.max_seq_len)
     return int(per * total), "estimated from the conversations"
 

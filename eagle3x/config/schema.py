@@ -80,7 +80,9 @@ class DataConfig:
 
     path: str = MISSING
     format: DataFormat = DataFormat.auto
-    # How many samples (a prefix of the seeded order) later stages use; null = all.
+    # The first `holdout_samples` of the seeded order are held out (validation, eval) and
+    # shared by every run on this data; training uses the next `num_samples` (null = all).
+    holdout_samples: int = 64
     num_samples: Optional[int] = None
     seed: int = 0
 
@@ -141,7 +143,6 @@ class TrainConfig:
     warmup_steps: int = 50
     weight_decay: float = 0.0
     batch_size: int = 4
-    val_fraction: float = 0.05
     num_workers: int = 0
     freeze_embeddings: bool = True
     intermediate_size: Optional[int] = None

@@ -93,14 +93,13 @@ class HiddenStateDataModule(L.LightningDataModule):
             from eagle3x.stages.extract import Plan
 
             self.hidden_dir = str(Plan(self.cfg).out)
-        reader = ShardReader(self.hidden_dir, self.cfg.data.num_samples,
-                             verify=self.cfg.extract.verify.value,
+        from eagle3x.layout import sample_split
+
+        reader = ShardReader(self.hidden_dir, verify=self.cfg.extract.verify.value,
                              repair_hint="python -m eagle3x stage=extract extract.verify=sha256")
-        n = len(reader)
-        n_val = int(round(n * self.cfg.train.val_fraction))
-        n_val = min(max(n_val, 1 if self.cfg.train.val_fraction > 0 else 0), n - 1)
-        self.train_set = HiddenStateDataset(reader, range(n - n_val))
-        self.val_set = HiddenStateDataset(reader, range(n - n_val, n))
+        hold, end = sample_split(self.cfg, len(reader))
+        self.val_set = HiddenStateDataset(reader, range(0, hold))
+        self.train_set = HiddenStateDataset(reader, range(hold, end))
 
     def train_dataloader(self) -> DataLoader:
         trainer = self.trainer

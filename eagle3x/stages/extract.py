@@ -179,11 +179,9 @@ def run(cfg: DictConfig) -> str:
 
     plan = Plan(cfg)
     data = prepare.load(plan.prepared)
-    if cfg.data.num_samples is not None and cfg.data.num_samples > data["n"]:
-        raise artifacts.ArtifactError(f"{plan.prepared}: data.num_samples={cfg.data.num_samples} "
-                                      f"but the prepared data holds {data['n']} samples")
-    wanted = [n for n in (cfg.data.num_samples, cfg.extract.min_samples) if n is not None]
-    target = min(max(wanted), data["n"]) if wanted and cfg.data.num_samples is not None else data["n"]
+    _, target = layout.sample_split(cfg, data["n"])
+    if cfg.data.num_samples is not None and cfg.extract.min_samples:
+        target = min(max(target, cfg.data.holdout_samples + cfg.extract.min_samples), data["n"])
     dtype = torch_dtype(cfg.extract.dtype.value)
     with _exclusive(plan.out):
         m = open_manifest(plan)

@@ -1,8 +1,8 @@
 """Stage `vocab`: the draft vocabulary and the d2t / t2d maps vLLM and SGLang read.
 
 The draft predicts over the `draft_vocab_size` most frequent trained target tokens
-(assistant tokens of the first `data.num_samples` prepared samples; ties go to the lower
-id). Draft ids are sorted by target id, and
+(assistant tokens of the training samples: the `data.num_samples` after the held-out ones;
+ties go to the lower id). Draft ids are sorted by target id, and
 
     target_id = draft_id + d2t[draft_id]        t2d[target_id] = in the draft vocab
 
@@ -48,13 +48,13 @@ def build_mapping(counts: Any, draft_size: int) -> Tuple[Any, Any, int]:
     return d2t, t2d, max(filled, 0)
 
 
-def count_targets(prepared: Dict[str, Any], target_size: int) -> Any:
-    """Counts of token ids on loss-masked positions of the first prepared["n"] samples."""
+def count_targets(prepared: Dict[str, Any], target_size: int, first: int, last: int) -> Any:
+    """Counts of token ids on loss-masked positions of prepared samples [first, last)."""
     import numpy as np
 
-    end = int(prepared["offsets"][prepared["n"]])
-    ids = prepared["input_ids"][:end]
-    mask = prepared["loss_mask"][:end].astype(bool)
+    a, b = int(prepared["offsets"][first]), int(prepared["offsets"][last])
+    ids = prepared["input_ids"][a:b]
+    mask = prepared["loss_mask"][a:b].astype(bool)
     return np.bincount(ids[mask], minlength=target_size)[:target_size].astype(np.int64)
 
 
@@ -69,8 +69,9 @@ def run(cfg: DictConfig) -> str:
     from eagle3x.verifier import read_info
 
     info = read_info(verifier_path(cfg))
-    data = prepare.load(layout.prepared_dir(cfg), cfg.data.num_samples)
-    counts = count_targets(data, info.vocab_size)
+    data = prepare.load(layout.prepared_dir(cfg))
+    first, last = layout.sample_split(cfg, data["n"])
+    counts = count_targets(data, info.vocab_size, first, last)
     d2t, t2d, filled = build_mapping(counts, cfg.vocab.draft_vocab_size)
     if filled:
         log.warning("only %d distinct trained tokens: filled the draft vocab with the %d lowest "
@@ -79,7 +80,7 @@ def run(cfg: DictConfig) -> str:
     stats = {"draft_vocab_size": len(d2t), "target_vocab_size": info.vocab_size,
              "distinct_tokens": int((counts > 0).sum()), "filled": filled,
              "trained_tokens": int(counts.sum()),
-             "coverage": covered / max(int(counts.sum()), 1), "samples": data["n"]}
+             "coverage": covered / max(int(counts.sum()), 1), "samples": last - first}
     manifest = artifacts.new_manifest("vocab", plain_config(cfg), fp, stats=stats)
     with artifacts.building(out) as tmp:
         save_file({"d2t": d2t, "t2d": t2d, "counts": counts}, str(Path(tmp) / FILE))
