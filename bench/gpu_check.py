@@ -105,7 +105,7 @@ def main() -> None:
     from eagle3x.stages import evaluate, extract, prepare, train, vocab
 
     samples = 32 if args.smoke else 320
-    base = [f"verifier=local", f"verifier.path={verifier}", "logger=none",
+    base = ["verifier=local", f"verifier.path={verifier}", "logger=none",
             f"data.num_samples={samples}", "extract.max_seq_len=512", "vocab.draft_vocab_size=256",
             f"train.output_dir={work / 'run'}", "train.ttt_steps=4", "train.batch_size=8",
             "train.lr=1e-3", f"trainer.max_steps={5 if args.smoke else 300}",
@@ -130,11 +130,10 @@ def main() -> None:
     if len(res["extract"]) == 2:
         res["extract"]["vllm_over_hf"] = (res["extract"]["vllm"]["tokens_per_second"]
                                           / res["extract"]["hf"]["tokens_per_second"])
-    hidden = [f"engine=hf", f"extract.output_dir={work / 'hidden-hf'}"]
+    hidden = ["engine=hf", f"extract.output_dir={work / 'hidden-hf'}"]
     stage("vocab", lambda: vocab.run(cfg(*hidden)))
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
     if stage("train", lambda: train.run(cfg(*hidden))):
         summary = json.loads((work / "run" / "train_summary.json").read_text())
         tokens_per_step = summary["train_tokens_per_step"]

@@ -99,7 +99,7 @@ def spell(r: random.Random) -> list:
     return [
         ("user", f"Spell the word {w} backwards."),
         ("assistant", f"{w} backwards is {w[::-1]}."),
-        ("user", f"How many letters does it have?"),
+        ("user", "How many letters does it have?"),
         ("assistant", f"The word {w} has {len(w)} letters."),
     ]
 

@@ -135,8 +135,7 @@ def test_explicit_prepared_data_missing(cli, tmp_path):
 
 
 def test_sweep_refused_before_any_job_runs(cli, store):
-    err = refused(cli("-m", "stage=prepare", "data.num_samples=10,0"), "data.num_samples=0",
-                  "at least 1")
+    refused(cli("-m", "stage=prepare", "data.num_samples=10,0"), "data.num_samples=0", "at least 1")
     assert not store.exists() and not (store.parent / "multirun").exists()
 
 

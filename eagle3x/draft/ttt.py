@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Dict, List
 
 import torch
-import torch.nn.functional as F
 
 from eagle3x.draft.model import Eagle3Draft
 

@@ -45,7 +45,6 @@ def evaluate(draft: Any, head: Any, loader: Any, depth: int, max_samples: int) -
 
 
 def run(cfg: DictConfig) -> str:
-    import torch
 
     from eagle3x.data.datamodule import HiddenStateDataModule
     from eagle3x.draft import export

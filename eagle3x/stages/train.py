@@ -8,7 +8,6 @@ weights_only=True. The export lands in <run dir>/draft.
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import time
