@@ -193,3 +193,20 @@ def test_manifest_records_the_contract(cli, prepared, tmp_path):
         assert f.get_tensor("aux_hidden").dtype == torch.bfloat16
         offs = f.get_tensor("offsets")
         assert offs.dtype == torch.int64 and int(offs[-1]) == f.get_tensor("input_ids").numel()
+
+
+def test_datamodule_builds_missing_shards_and_batches_them(store, tiny_verifier):
+    from eagle3x.config.compose import load_config
+    from eagle3x.data.datamodule import HiddenStateDataModule
+
+    cfg = load_config(["stage=train", "engine=hf", "data.num_samples=24", "train.batch_size=4"])
+    dm = HiddenStateDataModule(cfg)
+    dm.prepare_data()  # nothing exists yet: prepare + extract through the configured engine
+    dm.setup()
+    assert len(dm.val_set) == 32 and len(dm.train_set) == 24
+    batch = next(iter(dm.val_dataloader()))
+    n, t = batch["input_ids"].shape
+    assert n == 4 and t == int(batch["lengths"].max())
+    assert batch["aux_hidden"].shape == (4, t, 3 * 128) and batch["last_hidden"].shape == (4, t, 128)
+    short = int(batch["lengths"].argmin())
+    assert batch["loss_mask"][short, batch["lengths"][short]:].sum() == 0  # padding never trained

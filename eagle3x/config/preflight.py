@@ -209,6 +209,7 @@ def preflight(cfg: DictConfig, overrides: Sequence[str] = ()) -> List[Problem]:
                                     value=str(cfg.data.num_samples or hold)))
 
     ids: List[int] = []
+    bad: List[int] = []
     if info:
         ids = aux_layers(cfg.extract.aux_layer_ids, info.num_layers)
         bad = [i for i in ids if not 0 <= i < info.num_layers]
@@ -259,7 +260,7 @@ def preflight(cfg: DictConfig, overrides: Sequence[str] = ()) -> List[Problem]:
                 why = "is not a folder" if not base.is_dir() else "is not writable"
                 problems.append(Problem(key, f"cannot write there: {base} {why}.",
                                         value=str(path)))
-        if stage in ("extract", *SELF_BUILDING) and not bad_ids(ids, info):
+        if stage in ("extract", *SELF_BUILDING) and not bad:
             problems += _foreign_shards(cfg, ids)
             problems += _disk_check(cfg, info, layout.hidden_dir(cfg, ids))
     return problems
@@ -294,10 +295,6 @@ def _train_checks(cfg: DictConfig) -> List[Problem]:
         problems.append(Problem("train.resume", f"no checkpoint file at {r}.", value=r,
                                 hint="auto (this run folder's last.ckpt), none, or a .ckpt path"))
     return problems
-
-
-def bad_ids(ids: List[int], info: VerifierInfo) -> bool:
-    return any(not 0 <= i < info.num_layers for i in ids)
 
 
 def estimate_tokens(cfg: DictConfig) -> Tuple[int, str]:

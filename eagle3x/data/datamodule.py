@@ -81,6 +81,9 @@ class HiddenStateDataModule(L.LightningDataModule):
         self.val_set: Optional[HiddenStateDataset] = None
 
     def prepare_data(self) -> None:
+        """Build prepared data and hidden states unless the caller handed over a folder."""
+        if self.hidden_dir is not None:
+            return
         from eagle3x.stages import extract, prepare
 
         prepare.run(self.cfg)
