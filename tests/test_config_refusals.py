@@ -213,3 +213,11 @@ def test_valid_command_passes_validation(store, tiny_verifier):
 
 def test_resume_checkpoint_must_exist(cli, tmp_path):
     refused(cli("stage=train", f"train.resume={tmp_path}/nope.ckpt"), "train.resume", "no checkpoint file")
+
+
+def test_holdout_plus_training_samples_must_fit_the_data(cli, tmp_path):
+    from tests.conftest import messages_record, write_jsonl
+
+    path = write_jsonl(tmp_path / "d.jsonl", [messages_record(("user", "q"), ("assistant", "a"))] * 10)
+    refused(cli("stage=extract", f"data.path={path}", "data.holdout_samples=10"),
+            "asks for 10 held-out + 1 training samples", "holds 10")

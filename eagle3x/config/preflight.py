@@ -202,7 +202,9 @@ def preflight(cfg: DictConfig, overrides: Sequence[str] = ()) -> List[Problem]:
     if data_ok:
         n = count_records(cfg.data.path) if Path(cfg.data.path).is_file() else None
         hold, want = cfg.data.holdout_samples, cfg.data.num_samples or 1
-        if n is not None and hold + want > n:
+        # prepare reads every conversation; the held-out/training split binds later stages.
+        split_matters = stage != "prepare" or cfg.data.num_samples is not None
+        if n is not None and split_matters and hold + want > n:
             key = "data.num_samples" if cfg.data.num_samples else "data.holdout_samples"
             problems.append(Problem(key, f"asks for {hold} held-out + {want} training samples "
                                     f"but {cfg.data.path} holds {n}.",
