@@ -113,17 +113,24 @@ def safe_member(folder: Path, name: str) -> Path:
     return folder / name
 
 
+def check_entry(folder: Path, entry: Dict[str, Any], full: bool = False) -> Optional[str]:
+    """Why a file a manifest lists is unusable (size always, sha256 when `full`), or None."""
+    p = safe_member(folder, entry["name"])
+    if not p.is_file():
+        return f"{p}: listed in the manifest but missing"
+    if p.stat().st_size != entry["bytes"]:
+        return f"{p}: {p.stat().st_size} bytes, manifest says {entry['bytes']} (truncated or replaced)"
+    if full and sha256_file(p) != entry["sha256"]:
+        return f"{p}: sha256 differs from the manifest (corrupt)"
+    return None
+
+
 def verify_files(folder: Path, manifest: Dict[str, Any], full: bool = False) -> None:
-    """Check the files a manifest lists: size always, sha256 when `full`."""
+    """Check the files a manifest lists; ArtifactError naming the first bad one."""
     for entry in manifest.get("files", []):
-        p = safe_member(folder, entry["name"])
-        if not p.is_file():
-            raise ArtifactError(f"{p}: listed in the manifest but missing")
-        if p.stat().st_size != entry["bytes"]:
-            raise ArtifactError(f"{p}: {p.stat().st_size} bytes, manifest says {entry['bytes']}"
-                                " (truncated or replaced)")
-        if full and sha256_file(p) != entry["sha256"]:
-            raise ArtifactError(f"{p}: sha256 differs from the manifest (corrupt)")
+        why = check_entry(folder, entry, full)
+        if why:
+            raise ArtifactError(why)
 
 
 @contextlib.contextmanager

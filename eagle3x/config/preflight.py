@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from eagle3x import artifacts, layout
 from eagle3x.config.problems import Problem
 from eagle3x.data.conversations import check_source, count_records
-from eagle3x.verifier import VerifierInfo, aux_layers
+from eagle3x.verifier import VerifierInfo, aux_layers, read_info
 
 #: Stages whose inputs are built by the run itself when missing.
 SELF_BUILDING = ("all", "train", "eval")
@@ -144,10 +144,7 @@ def read_verifier(cfg: DictConfig) -> Tuple[Optional[VerifierInfo], List[Problem
                               hint="point it at a Hugging Face model folder (config.json, "
                                    "*.safetensors, tokenizer files)")]
     try:
-        import json
-
-        with open(path / "config.json", encoding="utf-8") as f:
-            info = VerifierInfo.from_config(json.load(f))
+        info = read_info(path)
     except FileNotFoundError:
         return None, [Problem("verifier.path", f"no config.json in {path}.", value=str(path))]
     except (ValueError, KeyError, TypeError) as exc:

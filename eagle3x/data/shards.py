@@ -16,14 +16,12 @@ just before a crash, but not yet in the manifest, is adopted on the next run.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from eagle3x import artifacts
 
-SHARD_RE = re.compile(r"^shard-(\d{5})\.safetensors$")
 KEYS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden", "offsets")
 
 
@@ -109,18 +107,6 @@ def _tokens_in(path: Path) -> int:
         return int(f.get_slice("input_ids").get_shape()[0])
 
 
-def check_shard(folder: Path, entry: Dict[str, Any], full: bool) -> Optional[str]:
-    """Why a shard listed in the manifest is unusable, or None if it is whole."""
-    p = artifacts.safe_member(folder, entry["name"])
-    if not p.is_file():
-        return f"{p}: missing"
-    if p.stat().st_size != entry["bytes"]:
-        return f"{p}: {p.stat().st_size} bytes, manifest says {entry['bytes']} (truncated?)"
-    if full and artifacts.sha256_file(p) != entry["sha256"]:
-        return f"{p}: sha256 differs from the manifest (corrupt)"
-    return None
-
-
 @dataclass
 class Sample:
     input_ids: Any
@@ -141,7 +127,7 @@ class ShardReader:
         self.index: List[tuple] = []
         self._files = []
         for entry in self.manifest["shards"]:
-            why = check_shard(self.folder, entry, full=(verify == "sha256"))
+            why = artifacts.check_entry(self.folder, entry, full=(verify == "sha256"))
             if why:
                 raise artifacts.ArtifactError(why + (f"\n  re-extract it: {repair_hint}" if repair_hint else ""))
             try:

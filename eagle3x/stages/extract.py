@@ -131,9 +131,14 @@ class _Writer:
         self.buf: List[tuple] = []
         self.tokens = 0
 
-    def add(self, ids: Any, mask: Any, aux: Any, last: Any) -> None:
+    def hold(self, ids: Any, mask: Any, aux: Any, last: Any) -> None:
+        """Buffer one sample; it is written by the next flush."""
         self.buf.append((ids, mask, aux.to(self.dtype), last.to(self.dtype)))
         self.tokens += len(ids)
+
+    def add(self, ids: Any, mask: Any, aux: Any, last: Any) -> None:
+        """Buffer one sample, writing a shard once about `shard_tokens` are held."""
+        self.hold(ids, mask, aux, last)
         if self.tokens >= self.plan.cfg.extract.shard_tokens:
             self.flush()
 
@@ -171,6 +176,14 @@ def _samples(prepared: Dict[str, Any], start: int, end: int) -> Iterator[tuple]:
         yield k, prepared["input_ids"][a:b], prepared["loss_mask"][a:b]
 
 
+def _extracted(engine: Any, samples: List[tuple], batch_size: int) -> Iterator[List[tuple]]:
+    """Run `samples` through the engine in batches; yield each batch's (ids, mask, aux, last)."""
+    for b in range(0, len(samples), batch_size):
+        batch = samples[b:b + batch_size]
+        outs = engine.extract([ids.tolist() for _, ids, _ in batch])
+        yield [(ids, mask, aux, last) for (_, ids, mask), (aux, last) in zip(batch, outs)]
+
+
 def run(cfg: DictConfig) -> str:
     from tqdm import tqdm
 
@@ -186,7 +199,7 @@ def run(cfg: DictConfig) -> str:
     with _exclusive(plan.out):
         m = open_manifest(plan)
         bad = [i for i, e in enumerate(m["shards"])
-               if shards.check_shard(plan.out, e, full=cfg.extract.verify.value == "sha256")]
+               if artifacts.check_entry(plan.out, e, full=cfg.extract.verify.value == "sha256")]
         if m["samples"] >= target and not bad:
             log.info("reusing hidden states at %s: %d samples in %d shards (%d asked for)",
                      plan.out, m["samples"], len(m["shards"]), target)
@@ -207,24 +220,19 @@ def run(cfg: DictConfig) -> str:
                 e = m["shards"][i]
                 log.warning("re-extracting %s (failed its check)", e["name"])
                 todo = list(_samples(data, e["first_sample"], e["first_sample"] + e["num_samples"]))
-                for b in range(0, len(todo), cfg.extract.batch_size):
-                    batch = todo[b:b + cfg.extract.batch_size]
-                    outs = engine.extract([ids.tolist() for _, ids, _ in batch])
-                    for (_, ids, mask), (aux, last) in zip(batch, outs):
-                        writer.buf.append((ids, mask, aux.to(dtype), last.to(dtype)))
+                for done in _extracted(engine, todo, cfg.extract.batch_size):
+                    for sample in done:
+                        writer.hold(*sample)
                 writer.flush(index=i, first=e["first_sample"])
             bar = tqdm(total=target, initial=m["samples"], desc="extract", unit="sample",
                        dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 10)
             with _stop_requests() as stop:
                 pending = list(_samples(data, m["samples"], target))
-                bs = cfg.extract.batch_size
-                for b in range(0, len(pending), bs):
-                    batch = pending[b:b + bs]
-                    outs = engine.extract([ids.tolist() for _, ids, _ in batch])
-                    for (_, ids, mask), (aux, last) in zip(batch, outs):
-                        writer.add(ids, mask, aux, last)
-                        new_tokens += len(ids)
-                    bar.update(len(batch))
+                for done in _extracted(engine, pending, cfg.extract.batch_size):
+                    for sample in done:
+                        writer.add(*sample)
+                        new_tokens += len(sample[0])
+                    bar.update(len(done))
                     bar.set_postfix(tok_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
                     if stop["signal"] is not None:
                         writer.flush()
