@@ -101,8 +101,9 @@ def main() -> None:
 
     verifier = stage("build_verifier", lambda: tiny.build_random(
         work / "verifier", device=device, dtype="bfloat16" if device == "cuda" else "float32", **shape))
-    from eagle3x.config.compose import load_config
-    from eagle3x.stages import evaluate, extract, prepare, train, vocab
+    from eagle3x.config.compose import load_config, typed
+    from eagle3x.config.schema import Stage
+    from eagle3x.pipeline import run_stages, stages_for, start
 
     samples = 32 if args.smoke else 320
     base = ["verifier=local", f"verifier.path={verifier}", "logger=none",
@@ -113,42 +114,47 @@ def main() -> None:
             f"data.holdout_samples={8 if args.smoke else 32}"]
     if device == "cuda":
         base += ["trainer.precision=bf16-mixed", "engine.dtype=bfloat16"]
-    cfg = lambda *extra: load_config(["stage=all", *base, *extra])  # noqa: E731
-    stage("prepare", lambda: prepare.run(cfg()))
-    engines = ["hf"] + ([] if args.smoke else ["vllm"])
-    res["extract"] = {}
-    for engine in engines:
-        folder = work / f"hidden-{engine}"
-        batch = 256 if engine == "vllm" else 16
-        if stage(f"extract_{engine}", lambda: extract.run(cfg(
-                f"engine={engine}", f"extract.output_dir={folder}", f"extract.batch_size={batch}",
-                "engine.gpu_memory_utilization=0.5"))):
-            m = json.loads((folder / "manifest.json").read_text())
-            size = sum(s["bytes"] for s in m["shards"])
-            tokens = sum(s["tokens"] for s in m["shards"])
-            res["extract"][engine] = dict(m["runs"][-1], bytes_per_token=size / tokens)
-    if len(res["extract"]) == 2:
-        res["extract"]["vllm_over_hf"] = (res["extract"]["vllm"]["tokens_per_second"]
-                                          / res["extract"]["hf"]["tokens_per_second"])
     hidden = ["engine=hf", f"extract.output_dir={work / 'hidden-hf'}"]
-    stage("vocab", lambda: vocab.run(cfg(*hidden)))
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    if stage("train", lambda: train.run(cfg(*hidden))):
-        summary = json.loads((work / "run" / "train_summary.json").read_text())
-        tokens_per_step = summary["train_tokens_per_step"]
-        tps = tokens_per_step * summary["steps"] / summary["train_seconds"]
-        flops = train_flops_per_token(shape, 4, 256)
-        res["train"] = {"steps": summary["steps"], "seconds": summary["train_seconds"],
-                        "tokens_per_second": tps, "flops_per_token": flops,
-                        "val_acc_0": summary["metrics"].get("val/acc_0"),
-                        "val_accept_len": summary["metrics"].get("val/accept_len")}
-        if res.get("matmul_flops"):
-            res["train"]["mfu"] = tps * flops / res["matmul_flops"]
-    if device == "cuda":
-        res["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated() / 2 ** 30
-    if stage("eval", lambda: evaluate.run(cfg(*hidden))):
-        res["eval"] = json.loads((work / "run" / "eval.json").read_text())
+
+    def run(spec, *extra):
+        settings = typed(load_config(["stage=all", *base, *extra]))
+        return lambda: run_stages(start(settings), settings, [spec])
+
+    res["extract"] = {}
+    for spec in stages_for(Stage.all):  # the stage graph's order
+        if spec.name == "extract":  # once per engine, each into its own folder
+            for engine in ["hf"] + ([] if args.smoke else ["vllm"]):
+                folder = work / f"hidden-{engine}"
+                batch = 256 if engine == "vllm" else 16
+                if stage(f"extract_{engine}", run(
+                        spec, f"engine={engine}", f"extract.output_dir={folder}",
+                        f"extract.batch_size={batch}", "engine.gpu_memory_utilization=0.5")):
+                    m = json.loads((folder / "manifest.json").read_text())
+                    size = sum(s["bytes"] for s in m["shards"])
+                    tokens = sum(s["tokens"] for s in m["shards"])
+                    res["extract"][engine] = dict(m["runs"][-1], bytes_per_token=size / tokens)
+            if len(res["extract"]) == 2:
+                res["extract"]["vllm_over_hf"] = (res["extract"]["vllm"]["tokens_per_second"]
+                                                  / res["extract"]["hf"]["tokens_per_second"])
+            continue
+        if spec.name == "train" and device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        ok = stage(spec.name, run(spec, *hidden))
+        if spec.name == "train" and ok:
+            summary = json.loads((work / "run" / "train_summary.json").read_text())
+            tokens_per_step = summary["train_tokens_per_step"]
+            tps = tokens_per_step * summary["steps"] / summary["train_seconds"]
+            flops = train_flops_per_token(shape, 4, 256)
+            res["train"] = {"steps": summary["steps"], "seconds": summary["train_seconds"],
+                            "tokens_per_second": tps, "flops_per_token": flops,
+                            "val_acc_0": summary["metrics"].get("val/acc_0"),
+                            "val_accept_len": summary["metrics"].get("val/accept_len")}
+            if res.get("matmul_flops"):
+                res["train"]["mfu"] = tps * flops / res["matmul_flops"]
+            if device == "cuda":
+                res["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated() / 2 ** 30
+        if spec.name == "eval" and ok:
+            res["eval"] = json.loads((work / "run" / "eval.json").read_text())
     res["total_seconds"] = round(sum(s["seconds"] for s in res["stages"].values()), 1)
     save()
     print(json.dumps({k: v for k, v in res.items() if k != "stages"}, indent=1, default=str))

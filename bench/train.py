@@ -43,27 +43,30 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=5)
     known, extra = p.parse_known_args()
-    from eagle3x.config.compose import load_config
+    from eagle3x.config.compose import load_config, typed
     from eagle3x.data.datamodule import HiddenStateDataModule
-    from eagle3x.stages import extract, prepare, vocab
+    from eagle3x.pipeline import BY_NAME, run_stages, start
     from eagle3x.stages.train import build_module
 
     total = known.steps + known.warmup
-    cfg = load_config(["stage=train", "engine=hf", "logger=none", f"trainer.max_steps={total}",
-                       "trainer.enable_progress_bar=false", *extra])
-    prepare.run(cfg)
-    hidden = extract.run(cfg)
-    module, _ = build_module(cfg, vocab.run(cfg))
+    settings = typed(load_config(["stage=train", "engine=hf", "logger=none",
+                                  f"trainer.max_steps={total}",
+                                  "trainer.enable_progress_bar=false", *extra]))
+    plan = start(settings)
+    # What the train stage reads, built (or reused) by the stages the graph runs before it.
+    run_stages(plan, settings, [BY_NAME[n] for n in BY_NAME["train"].before])
+    module = build_module(plan, settings.train, total)
     meter = Meter(known.warmup)
-    t = cfg.trainer
+    t = settings.trainer
     trainer = L.Trainer(accelerator=t.accelerator, devices=1, precision=t.precision,
                         max_steps=total, logger=False, callbacks=[meter], enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                         use_distributed_sampler=False)
-    trainer.fit(module, datamodule=HiddenStateDataModule(cfg, hidden_dir=hidden))
+    trainer.fit(module, datamodule=HiddenStateDataModule.from_plan(plan, settings.train,
+                                                                   settings.extract))
     res = {"device": "cuda" if torch.cuda.is_available() else "cpu", "steps": meter.steps,
            "tokens_per_s": meter.tokens / meter.seconds, "steps_per_s": meter.steps / meter.seconds,
-           "batch_size": cfg.train.batch_size, "ttt_steps": cfg.train.ttt_steps,
+           "batch_size": settings.train.batch_size, "ttt_steps": settings.train.ttt_steps,
            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     if torch.cuda.is_available():
         res["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2 ** 20

@@ -1,8 +1,11 @@
 """`python -m eagle3x stage=<stage> [overrides]`: validate everything, then run the stage.
 
 The whole command line (every job of a `-m` sweep) is composed and checked before
-Hydra starts a job, and before torch, vLLM, Lightning or transformers is imported.
+Hydra starts a job, and before torch, vLLM, Lightning or transformers is imported:
+overrides against the schema (compose), each value against its field's rule (rules),
+then the world each stage of the run will meet (preflight, per the stage graph).
 A refused run prints one report and exits with status 2.
+`python -m eagle3x --plan stage=... [overrides]` prints the resolved plan as json instead.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ def validate(argv: Sequence[str]) -> List[Problem]:
     """Every problem with this command line, across all jobs it would start."""
     from hydra._internal.utils import get_args_parser
 
-    from eagle3x.config.compose import compose_checked, expand_jobs
-    from eagle3x.config.preflight import check_values, preflight
+    from eagle3x.config.compose import compose_checked, expand_jobs, typed
+    from eagle3x.config.preflight import preflight
+    from eagle3x.config.rules import check_values
+    from eagle3x.pipeline import stages_for
 
     args = get_args_parser().parse_args(list(argv))
     if args.help or args.hydra_help or args.shell_completion or args.info:
@@ -31,7 +36,10 @@ def validate(argv: Sequence[str]) -> List[Problem]:
         if cfg is not None:
             found += check_values(cfg, need_stage=not inspect_only)
             if not found and not inspect_only:
-                found += preflight(cfg, job)
+                settings = typed(cfg)
+                stages = stages_for(settings.stage)
+                found += preflight(settings, [s.name for s in stages],
+                                   [c for s in stages for c in s.checks], job)
         for p in found:
             if len(jobs) > 1 and p.where != "command line":
                 p.where = "sweep job: " + " ".join(job)
@@ -39,6 +47,21 @@ def validate(argv: Sequence[str]) -> List[Problem]:
                 seen.add(p.render())
                 problems.append(p)
     return problems
+
+
+def show_plans(argv: Sequence[str]) -> str:
+    """The resolved plan of each job of a valid command line, as json (nothing is built)."""
+    import json
+
+    from hydra._internal.utils import get_args_parser
+
+    from eagle3x.config.compose import compose_checked, expand_jobs, typed
+    from eagle3x.plan import resolve
+
+    args = get_args_parser().parse_args(list(argv))
+    jobs, _ = expand_jobs(args.overrides, args.multirun)
+    plans = [resolve(typed(compose_checked(job)[0])).describe() for job in jobs]
+    return json.dumps(plans[0] if len(plans) == 1 else plans, indent=2) + "\n"
 
 
 def shared_extraction(argv: Sequence[str]) -> List[str]:
@@ -77,10 +100,15 @@ def _run_hydra() -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
+    wants_plan = "--plan" in argv
+    argv = [a for a in argv if a != "--plan"]
     problems = validate(argv)
     if problems:
         sys.stderr.write(format_report(problems))
         sys.exit(EXIT_REFUSED)
+    if wants_plan:
+        sys.stdout.write(show_plans(argv))
+        return
     sys.argv = [sys.argv[0], *argv, *shared_extraction(argv)]
     _run_hydra()
 

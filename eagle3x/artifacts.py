@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, Optional
 
@@ -40,17 +41,29 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+#: file_fingerprint's memo: (path, inode, size, mtime_ns) -> fingerprint. A file is read
+#: once per process however many stages, sweep jobs or checks ask; an edit changes the key.
+_FINGERPRINTS: Dict[tuple, str] = {}
+
+
 def file_fingerprint(path: str | Path) -> str:
     """Content fingerprint of an input file or folder, cheap on large files.
 
-    Files up to 64 MiB are hashed whole; larger ones by size plus their first and
-    last MiB (a changed length or edited ends changes the fingerprint).
+    Files up to 64 MiB are hashed whole (the sha256 hex digest); larger ones by size plus
+    their first and last MiB (a changed length or edited ends changes the fingerprint).
     """
     p = Path(path)
     if p.is_dir():
         return digest({f.relative_to(p).as_posix(): file_fingerprint(f)
                        for f in sorted(p.rglob("*")) if f.is_file()}, 64)
-    size = p.stat().st_size
+    st = p.stat()
+    key = (str(p.absolute()), st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _FINGERPRINTS:
+        _FINGERPRINTS[key] = _hash_input(p, st.st_size)
+    return _FINGERPRINTS[key]
+
+
+def _hash_input(p: Path, size: int) -> str:
     if size <= 64 * _EDGE:
         return sha256_file(p)
     h = hashlib.sha256(str(size).encode())
@@ -84,7 +97,7 @@ def read_manifest(folder: str | Path) -> Dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         raise ArtifactError(f"{path}: no manifest; this folder is not a finished eagle3x artifact")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ArtifactError(f"{path}: not valid json ({exc})")
@@ -161,6 +174,34 @@ def building(final: str | Path) -> Iterator[Path]:
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
+
+
+def reuse(folder: Path, fingerprint: str, what: str) -> Optional[Dict[str, Any]]:
+    """The manifest of a finished artifact with this fingerprint, or None: build it.
+
+    A finished artifact made from other inputs is never overwritten: ArtifactError.
+    """
+    m = complete_manifest(folder)
+    if m is None:
+        return None
+    if m.get("fingerprint") != fingerprint:
+        raise ArtifactError(
+            f"{folder / MANIFEST}: holds {what} made from other inputs or settings "
+            f"(fingerprint {m.get('fingerprint')}, this run needs {fingerprint}); "
+            "choose another output folder or remove it")
+    return m
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a stage did: built or reused (or wrote) which artifact, where."""
+
+    kind: str
+    status: str  # "built" | "reused" | "wrote"
+    path: Path
+
+    def __str__(self) -> str:
+        return str(self.path)
 
 
 def new_manifest(kind: str, config: Dict[str, Any], fingerprint: str, **extra: Any) -> Dict[str, Any]:

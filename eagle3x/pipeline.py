@@ -1,73 +1,136 @@
-"""Run a stage (or all of them in order) for a validated config."""
+"""The stage graph, and running a stage (or all of them) for a validated config.
+
+``STAGES`` is the one table of stages: name, function, the config sections it is handed,
+the stages that run before it, whether ``stage=all`` includes it, and its startup checks.
+``stage=all``, the stages a stage builds first, preflight and the benchmarks all read it.
+Adding a stage is one entry here plus its module under ``eagle3x/stages/``.
+
+A run, top to bottom (``run`` below):
+
+    typed settings --verifier.ensure--> tiny verifier built if configured
+                   --plan.resolve-----> RunPlan (folders, fingerprints, split, run dir)
+                   --each stage-------> Outcome (built / reused / wrote, path)
+                   --summary.write----> <run dir>/summary.json
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
 import time
-from typing import Callable, Dict, Optional
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from omegaconf import DictConfig
+from eagle3x.artifacts import Outcome
+from eagle3x.config import preflight
+from eagle3x.config.schema import Eagle3xConfig, Stage
+from eagle3x.plan import RunPlan, resolve
+from eagle3x.stages import evaluate, export, extract, prepare, train, vocab
 
 log = logging.getLogger("eagle3x")
 
-#: Stage name -> "module:function"; imported only when the stage runs.
-STAGES: Dict[str, str] = {
-    "prepare": "eagle3x.stages.prepare:run",
-    "extract": "eagle3x.stages.extract:run",
-    "vocab": "eagle3x.stages.vocab:run",
-    "train": "eagle3x.stages.train:run",
-    "eval": "eagle3x.stages.evaluate:run",
-    "export": "eagle3x.stages.export:run",
-}
-ORDER_ALL = ("prepare", "extract", "vocab", "train", "eval")
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str
+    #: run(plan, **sections) -> Outcome
+    run: Callable[..., Outcome]
+    #: config sections handed to `run` as keyword arguments of the same names
+    sections: Tuple[str, ...] = ()
+    #: stages run first in the same command (each reuses its artifact when present)
+    before: Tuple[str, ...] = ()
+    #: part of `stage=all`
+    in_all: bool = True
+    #: startup checks of the world this stage meets (eagle3x.config.preflight)
+    checks: Tuple[preflight.Check, ...] = ()
 
 
-def _load(stage: str) -> Callable[[DictConfig], str]:
-    import importlib
+STAGES: Tuple[StageSpec, ...] = (
+    StageSpec("prepare", prepare.run,
+              checks=(preflight.chat_template, preflight.prepared_writable)),
+    StageSpec("extract", extract.run, sections=("extract", "engine"),
+              checks=(preflight.gpus, preflight.prepared_exists, preflight.hidden_writable,
+                      preflight.foreign_shards, preflight.disk)),
+    StageSpec("vocab", vocab.run, checks=(preflight.prepared_exists,)),
+    StageSpec("train", train.run, sections=("train", "trainer", "logger", "extract"),
+              before=("prepare", "extract", "vocab"),
+              checks=(preflight.logger_installed, preflight.resume_checkpoint)),
+    StageSpec("eval", evaluate.run, sections=("eval", "train", "extract")),
+    StageSpec("export", export.run, sections=("train", "trainer"), before=("vocab",),
+              in_all=False),
+)
+BY_NAME: Dict[str, StageSpec] = {s.name: s for s in STAGES}
+#: The stages whose runs write a summary.json into the run folder.
+SUMMARISED = (Stage.all, Stage.train, Stage.eval)
 
-    module, func = STAGES[stage].split(":")
-    return getattr(importlib.import_module(module), func)
+
+def stages_for(stage: Stage) -> List[StageSpec]:
+    """The stages `python -m eagle3x stage=<stage>` runs, in order."""
+    if stage is Stage.all:
+        return [s for s in STAGES if s.in_all]
+    spec = BY_NAME[stage.value]
+    return [BY_NAME[n] for n in spec.before] + [spec]
 
 
-def run_one(stage: str, cfg: DictConfig, seconds: Optional[Dict[str, float]] = None) -> str:
-    t0 = time.perf_counter()
-    out = _load(stage)(cfg)
-    took = time.perf_counter() - t0
-    if seconds is not None:
-        seconds[stage] = round(took, 2)
-    log.info("stage %s done in %.1fs -> %s", stage, took, out)
-    return out
+def run_stages(plan: RunPlan, settings: Eagle3xConfig, stages: Sequence[StageSpec],
+               seconds: Optional[Dict[str, float]] = None) -> List[Outcome]:
+    """Run `stages` in order for `plan`; each gets the plan and its config sections."""
+    outcomes = []
+    for spec in stages:
+        t0 = time.perf_counter()
+        out = spec.run(plan, **{name: getattr(settings, name) for name in spec.sections})
+        took = time.perf_counter() - t0
+        if seconds is not None:
+            seconds[spec.name] = round(took, 2)
+        log.info("stage %s done in %.1fs -> %s", spec.name, took, out.path)
+        outcomes.append(out)
+    return outcomes
 
 
-def run(cfg: DictConfig) -> Optional[str]:
-    """Run cfg.stage; known errors end the process with a one-line message and status 1."""
+def start(settings: Eagle3xConfig, run_dir: Optional[Path] = None) -> RunPlan:
+    """Build the embedded tiny verifier if configured, then resolve the run's plan."""
+    from eagle3x.verifier import ensure
+
+    ensure(settings.verifier.path, settings.verifier.tiny)
+    return resolve(settings, run_dir)
+
+
+def run(cfg: Any) -> Optional[str]:
+    """Hydra's job: run cfg.stage; known errors end the process with one line and status 1."""
+    from eagle3x import artifacts
     from eagle3x.artifacts import ArtifactError
+    from eagle3x.config.compose import typed
     from eagle3x.data.conversations import DataError
 
-    from eagle3x.stages.common import EVENTS
-
-    EVENTS.clear()  # Hydra's basic launcher runs every sweep job in this one process
-    stage = cfg.stage.value
+    settings = typed(cfg)
     seconds: Dict[str, float] = {}
     try:
-        if stage == "all":
-            out = None
-            for s in ORDER_ALL:
-                out = run_one(s, cfg, seconds)
-        else:
-            out = run_one(stage, cfg, seconds)
-        if stage in ("all", "train", "eval"):
+        plan = start(settings, _hydra_job_dir())
+        outcomes = run_stages(plan, settings, stages_for(settings.stage), seconds)
+        if settings.stage in SUMMARISED:
             from eagle3x.tracking import summary
 
-            log.info("summary -> %s", summary.write(cfg, seconds))
-        return out
+            log.info("summary -> %s", summary.write(plan, outcomes, seconds))
+            artifacts.write_json_atomic(plan.run_dir / "plan.json", plan.describe())
+        return str(outcomes[-1].path)
     except (DataError, ArtifactError) as exc:
         log.error("%s", exc)
         sys.stderr.write(f"eagle3x: {exc}\n")
         sys.exit(1)
     finally:
         _finish_wandb()
+
+
+def _hydra_job_dir() -> Optional[Path]:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            return Path(HydraConfig.get().runtime.output_dir)
+    except Exception:
+        pass
+    return None
 
 
 def _finish_wandb() -> None:

@@ -16,6 +16,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from eagle3x.resources import resource
+
 #: Change when anything below changes what the built model or tokenizer is.
 SPEC_ID = "tiny-llama-v2"
 
@@ -49,9 +51,7 @@ def config_dict() -> dict:
 
 
 def _corpus():
-    from eagle3x.config.compose import PACKAGE_DIR
-
-    with open(PACKAGE_DIR / "resources" / "sample_conversations.jsonl", encoding="utf-8") as f:
+    with open(resource("sample_conversations.jsonl"), encoding="utf-8") as f:
         for line in f:
             for m in json.loads(line)["messages"]:
                 yield f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
@@ -84,10 +84,8 @@ def _fit(model, tok) -> None:
 
     import torch
 
-    from eagle3x.config.compose import PACKAGE_DIR
-
     ids = []
-    with open(PACKAGE_DIR / "resources" / "sample_conversations.jsonl", encoding="utf-8") as f:
+    with open(resource("sample_conversations.jsonl"), encoding="utf-8") as f:
         for line in f:
             text = tok.apply_chat_template(_json.loads(line)["messages"], tokenize=False)
             ids.extend(tok(text, add_special_tokens=False).input_ids)

@@ -67,11 +67,34 @@ def fingerprint(path: str | Path, tiny: bool = False) -> str:
         from eagle3x.tiny import SPEC_ID
 
         return hashlib.sha256(SPEC_ID.encode()).hexdigest()
+    from eagle3x.artifacts import file_fingerprint
+
     h = hashlib.sha256()
     root = Path(path)
     for name in ("config.json",) + TOKENIZER_FILES:
         p = root / name
-        if p.is_file():
+        if p.is_file():  # file_fingerprint: the whole file's sha256 up to 64 MiB
             h.update(name.encode())
-            h.update(hashlib.sha256(p.read_bytes()).digest())
+            h.update(bytes.fromhex(file_fingerprint(p)))
     return h.hexdigest()
+
+
+def ensure(path: str | Path, tiny: bool) -> Path:
+    """The verifier folder; the embedded tiny verifier is built there first if configured."""
+    path = Path(path).expanduser()
+    if tiny:
+        import logging
+
+        from eagle3x import tiny as tiny_model
+
+        if not (path / "model.safetensors").exists():
+            logging.getLogger("eagle3x").info("building the embedded tiny verifier at %s", path)
+        tiny_model.build(path)
+    return path
+
+
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
+    """The verifier's tokenizer (transformers; imported here, not at startup)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)

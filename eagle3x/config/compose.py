@@ -31,9 +31,9 @@ def setup() -> None:
 
     register()
     if not OmegaConf.has_resolver("eagle3x.resource"):
-        OmegaConf.register_new_resolver(
-            "eagle3x.resource", lambda name: str(PACKAGE_DIR / "resources" / name)
-        )
+        from eagle3x.resources import resource
+
+        OmegaConf.register_new_resolver("eagle3x.resource", lambda name: str(resource(name)))
 
 
 def group_options(group: str) -> List[str]:
@@ -252,3 +252,15 @@ def _hint_from(exc: BaseException) -> Optional[str]:
         return f"options of `{m.group(1)}`: " + ", ".join(m.group(2).split())
     return None
 
+
+
+def typed(cfg: DictConfig) -> Any:
+    """The composed config as the schema's dataclasses (``Eagle3xConfig``), values resolved.
+
+    This is where the Hydra config stops: stages and everything below take these typed
+    sections (or plain values), never the DictConfig.
+    """
+    from eagle3x.config.schema import Eagle3xConfig
+
+    job = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Eagle3xConfig), job))

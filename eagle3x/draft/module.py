@@ -11,16 +11,7 @@ import torch
 
 from eagle3x.draft.model import DraftShape, Eagle3Draft
 from eagle3x.draft.ttt import expected_accept_length, ttt_step_metrics
-from eagle3x.engines.base import FINAL_NORM_NAMES, find_tensor
-
-EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
-               "embed_tokens.weight")
-HEAD_NAMES = ("lm_head.weight",)
-
-
-def verifier_head(verifier: Path, tied: bool) -> torch.Tensor:
-    """The verifier's output projection [V, H], read by tensor name."""
-    return find_tensor(verifier, HEAD_NAMES + (EMBED_NAMES if tied else ()))
+from eagle3x.weights import EMBED_NAMES, FINAL_NORM_NAMES, find_tensor, verifier_head
 
 
 class DraftModule(L.LightningModule):
@@ -29,7 +20,7 @@ class DraftModule(L.LightningModule):
     Hyperparameters are plain json-like values so checkpoints load with weights_only=True.
     """
 
-    def __init__(self, shape: Dict[str, Any], train: Dict[str, Any], verifier: str,
+    def __init__(self, *, shape: Dict[str, Any], train: Dict[str, Any], verifier: str,
                  tied_head: bool, aux_layer_ids: list, max_steps: int,
                  d2t: Optional[torch.Tensor] = None, t2d: Optional[torch.Tensor] = None):
         super().__init__()

@@ -8,11 +8,14 @@ verifier's lm_head reads.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import List, Protocol, Sequence, Tuple
+from typing import TYPE_CHECKING, List, Protocol, Sequence, Tuple
 
 import torch
+
+if TYPE_CHECKING:
+    from eagle3x.config.schema import EngineConfig
+    from eagle3x.plan import VerifierRef
 
 
 class HiddenStateEngine(Protocol):
@@ -23,44 +26,24 @@ class HiddenStateEngine(Protocol):
         """Free the engine's memory and processes."""
 
 
-def read_tensor(verifier: Path, name: str) -> torch.Tensor:
-    """One weight of the verifier by tensor name, from its safetensors (no model load)."""
-    from safetensors import safe_open
+def open_engine(settings: "EngineConfig", verifier: "VerifierRef", aux_ids: Sequence[int],
+                max_seq_len: int, scratch: Path) -> HiddenStateEngine:
+    """The engine `settings.name` chooses, loaded with the verifier (slow: minutes on big models).
 
-    index = verifier / "model.safetensors.index.json"
-    if index.exists():
-        with open(index, encoding="utf-8") as f:
-            files = [json.load(f)["weight_map"].get(name)]
-    else:
-        files = [p.name for p in sorted(verifier.glob("*.safetensors"))]
-    for fname in files:
-        if not fname:
-            continue
-        with safe_open(str(verifier / fname), framework="pt") as f:
-            if name in f.keys():
-                return f.get_tensor(name)
-    raise KeyError(f"{verifier}: no tensor named {name!r} in its safetensors")
+    `scratch` is a folder the vLLM engine may write temporary files into (the output folder).
+    """
+    from eagle3x.config.schema import EngineName
 
+    if settings.name is EngineName.hf:
+        from eagle3x.engines.hf import HFEngine
 
-def find_tensor(verifier: Path, candidates: Sequence[str]) -> torch.Tensor:
-    for name in candidates:
-        try:
-            return read_tensor(verifier, name)
-        except KeyError:
-            continue
-    raise KeyError(f"{verifier}: none of {list(candidates)} found in its safetensors")
+        return HFEngine(verifier.path, aux_ids, settings.dtype, settings.device,
+                        verifier.trust_remote_code)
+    from eagle3x.engines.vllm import VLLMEngine
 
-
-FINAL_NORM_NAMES = ("model.norm.weight", "model.language_model.norm.weight", "norm.weight")
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama-style RMSNorm in float32, returned in x's dtype."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight.float()).to(x.dtype)
-
-
-def torch_dtype(name: str, default: torch.dtype = torch.float32) -> torch.dtype:
-    return {"auto": default, "float32": torch.float32, "float16": torch.float16,
-            "bfloat16": torch.bfloat16}[name]
+    options = {k: getattr(settings, k) for k in (
+        "tensor_parallel_size", "gpu_memory_utilization", "max_num_batched_tokens", "dtype",
+        "enforce_eager", "quantization")}
+    options["trust_remote_code"] = verifier.trust_remote_code
+    return VLLMEngine(verifier.path, aux_ids, verifier.info.num_layers, verifier.rms_norm_eps,
+                      max_seq_len, options, scratch)

@@ -7,7 +7,7 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-from eagle3x.engines.base import torch_dtype
+from eagle3x.weights import torch_dtype
 
 
 class HFEngine:

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
-from eagle3x.engines.base import FINAL_NORM_NAMES, find_tensor, rms_norm
+from eagle3x.weights import FINAL_NORM_NAMES, find_tensor, rms_norm
 
 CONNECTOR = "Eagle3xHiddenStatesConnector"
 CONNECTOR_MODULE = "eagle3x.engines.vllm_connector"

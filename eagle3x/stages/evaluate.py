@@ -11,12 +11,14 @@ where the data leaves the verifier's greedy path this is an estimate of live dec
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 from typing import Any, Dict
 
-from omegaconf import DictConfig
-
-from eagle3x import artifacts, layout
+from eagle3x import artifacts
+from eagle3x.artifacts import Outcome
+from eagle3x.config.schema import EvalConfig, ExtractConfig, TrainConfig
+from eagle3x.plan import RunPlan
 
 log = logging.getLogger("eagle3x")
 
@@ -44,36 +46,30 @@ def evaluate(draft: Any, head: Any, loader: Any, depth: int, max_samples: int) -
             "mean_accepted_length": 1.0 + mean, "acceptance_rate_per_depth": rates}
 
 
-def run(cfg: DictConfig) -> str:
-
+def run(plan: RunPlan, eval: EvalConfig, train: TrainConfig, extract: ExtractConfig) -> Outcome:
     from eagle3x.data.datamodule import HiddenStateDataModule
-    from eagle3x.draft import export
-    from eagle3x.draft.module import EMBED_NAMES, verifier_head
-    from eagle3x.engines.base import find_tensor
-    from eagle3x.stages.extract import Plan
+    from eagle3x.draft.save import load
+    from eagle3x.weights import EMBED_NAMES, find_tensor, verifier_head
 
-    out = layout.run_dir(cfg)
-    draft_dir = Path(cfg.eval.draft) if cfg.eval.draft else out / "draft"
+    out = plan.run_dir
+    draft_dir = Path(eval.draft) if eval.draft else out / "draft"
     if not (draft_dir / "config.json").exists():
         raise artifacts.ArtifactError(f"{draft_dir}: no exported draft; train first or set eval.draft")
-    plan = Plan(cfg)
-    draft = export.load(draft_dir, find_tensor(plan.verifier, EMBED_NAMES).float())
-    head = verifier_head(plan.verifier, bool(plan.info.raw.get("tie_word_embeddings", False))).float()
-    dm = HiddenStateDataModule(cfg, hidden_dir=str(plan.out))
+    vpath = plan.verifier.path
+    draft = load(draft_dir, find_tensor(vpath, EMBED_NAMES).float())
+    head = verifier_head(vpath, plan.verifier.tied_head).float()
+    dm = HiddenStateDataModule.from_plan(plan, train, extract)
     dm.setup()
-    report = evaluate(draft, head, dm.val_dataloader(), cfg.eval.depth, cfg.eval.max_samples)
+    report = evaluate(draft, head, dm.val_dataloader(), eval.depth, eval.max_samples)
     report["draft"] = str(draft_dir)
+    out.mkdir(parents=True, exist_ok=True)
     artifacts.write_json_atomic(out / "eval.json", report)
-    try:
-        import wandb
-
-        if wandb.run is not None:
-            wandb.run.summary.update({"eval/mean_accepted_length": report["mean_accepted_length"],
-                                      **{f"eval/accept_rate_{j}": r for j, r in
-                                         enumerate(report["acceptance_rate_per_depth"])}})
-    except ImportError:
-        pass
+    wandb = sys.modules.get("wandb")  # the train stage of this run opened it, if any
+    if wandb is not None and getattr(wandb, "run", None) is not None:
+        wandb.run.summary.update({"eval/mean_accepted_length": report["mean_accepted_length"],
+                                  **{f"eval/accept_rate_{j}": r for j, r in
+                                     enumerate(report["acceptance_rate_per_depth"])}})
     log.info("eval: mean accepted length %.3f over %d positions; acceptance per depth %s",
              report["mean_accepted_length"], report["positions"],
              " ".join(f"{r:.2f}" for r in report["acceptance_rate_per_depth"]))
-    return str(out / "eval.json")
+    return Outcome("eval", "wrote", out / "eval.json")

@@ -1,32 +1,39 @@
 """Stage `train`: a Lightning Trainer fits the EAGLE-3 draft, then exports it.
 
-Builds what is missing first (prepare, extract, vocab), so it runs on a fresh config.
-Checkpoints go to <run dir>/checkpoints (`last.ckpt` always); `train.resume=auto`
-continues from there, `train.resume=<path>` from a given checkpoint, loaded with
-weights_only=True. The export lands in <run dir>/draft.
+The pipeline runs prepare, extract and vocab first (each reuses a finished artifact), so
+`stage=train` works on a fresh config. Checkpoints go to <run dir>/checkpoints
+(`last.ckpt` always); `train.resume` (read by ``plan.Resume``) continues from the run
+folder's last checkpoint or a given one, loaded with weights_only=True. The export lands
+in <run dir>/draft.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from omegaconf import DictConfig, OmegaConf
-
-from eagle3x import artifacts, layout
+from eagle3x import artifacts
+from eagle3x.artifacts import Outcome
+from eagle3x.config.schema import (ExtractConfig, LoggerConfig, LoggerName, TrainConfig,
+                                   TrainerConfig)
+from eagle3x.plan import RunPlan
+from eagle3x.verifier import VerifierInfo
 
 log = logging.getLogger("eagle3x")
 
 
-def draft_shape(cfg: DictConfig, info: Any, draft_vocab: int) -> Dict[str, Any]:
+def draft_shape(info: VerifierInfo, draft_vocab: int,
+                intermediate_size: Optional[int] = None) -> Dict[str, Any]:
+    """The draft's sizes: the verifier's hidden size, heads and rope, one decoder layer."""
     raw = info.raw
     rope = raw.get("rope_theta") or (raw.get("rope_parameters") or {}).get("rope_theta") or 10000.0
     return dict(
         hidden_size=info.hidden_size, target_hidden_size=info.hidden_size,
-        intermediate_size=cfg.train.intermediate_size or info.intermediate_size,
+        intermediate_size=intermediate_size or info.intermediate_size,
         num_heads=info.num_heads, num_kv_heads=info.num_kv_heads,
         head_dim=int(raw.get("head_dim") or info.hidden_size // info.num_heads),
         draft_vocab_size=draft_vocab, target_vocab_size=info.vocab_size,
@@ -34,42 +41,25 @@ def draft_shape(cfg: DictConfig, info: Any, draft_vocab: int) -> Dict[str, Any]:
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)))
 
 
-def resume_path(cfg: DictConfig, out: Path) -> Optional[str]:
-    r = cfg.train.resume
-    if r == "none":
-        return None
-    if r == "auto":
-        last = out / "checkpoints" / "last.ckpt"
-        if last.exists():
-            log.info("resuming from %s", last)
-            return str(last)
-        return None
-    if not Path(r).is_file():
-        raise artifacts.ArtifactError(f"train.resume={r}: no such checkpoint file")
-    return r
-
-
-def build_module(cfg: DictConfig, vocab_dir: str) -> Any:
+def build_module(plan: RunPlan, train: TrainConfig, max_steps: int) -> Any:
+    """The Lightning module for the plan's verifier and vocabulary (vocab must exist)."""
     import torch
 
     from eagle3x.draft.module import DraftModule
     from eagle3x.stages import vocab
-    from eagle3x.stages.extract import Plan
 
-    plan = Plan(cfg)
-    v = vocab.load(vocab_dir)
-    train_cfg = OmegaConf.to_container(cfg.train, resolve=True)
-    return DraftModule(draft_shape(cfg, plan.info, len(v["d2t"])), train_cfg, str(plan.verifier),
-                       bool(plan.info.raw.get("tie_word_embeddings", False)), plan.aux_ids,
-                       cfg.trainer.max_steps, torch.from_numpy(v["d2t"]),
-                       torch.from_numpy(v["t2d"])), plan
+    v = vocab.load(plan.vocab.folder)
+    return DraftModule(
+        shape=draft_shape(plan.verifier.info, len(v["d2t"]), train.intermediate_size),
+        train=dataclasses.asdict(train), verifier=str(plan.verifier.path),
+        tied_head=plan.verifier.tied_head, aux_layer_ids=list(plan.aux_layer_ids),
+        max_steps=max_steps, d2t=torch.from_numpy(v["d2t"]), t2d=torch.from_numpy(v["t2d"]))
 
 
-def make_trainer(cfg: DictConfig, out: Path, logger: Any) -> Any:
+def make_trainer(t: TrainerConfig, out: Path, logger: Any) -> Any:
     import lightning as L
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
 
-    t = cfg.trainer
     every = max(1, t.max_steps // 10) if t.max_steps > 0 else 500
     callbacks = [ModelCheckpoint(dirpath=str(out / "checkpoints"), filename="step{step:06d}",
                                  auto_insert_metric_name=False,
@@ -92,47 +82,41 @@ def make_trainer(cfg: DictConfig, out: Path, logger: Any) -> Any:
         enable_model_summary=False)
 
 
-def _mean_tokens_per_batch(dm: Any) -> float:
-    """Average real tokens in a training batch (for throughput figures)."""
-    reader, idx = dm.train_set.reader, dm.train_set.indices
-    lengths = [reader.index[i][2] - reader.index[i][1] for i in idx]
-    return sum(lengths) / max(len(lengths), 1) * min(dm.cfg.train.batch_size, len(lengths))
-
-
-def run(cfg: DictConfig) -> str:
+def run(plan: RunPlan, train: TrainConfig, trainer: TrainerConfig, logger: LoggerConfig,
+        extract: ExtractConfig) -> Outcome:
     import lightning as L
 
     from eagle3x.data.datamodule import HiddenStateDataModule
-    from eagle3x.draft.export import export
-    from eagle3x.stages import extract, prepare, vocab
+    from eagle3x.draft.save import save
     from eagle3x.tracking.loggers import make_logger
 
-    prepare.run(cfg)
-    hidden = extract.run(cfg)
-    vocab_dir = vocab.run(cfg)
-    out = layout.run_dir(cfg)
+    out = plan.run_dir
     out.mkdir(parents=True, exist_ok=True)
-    L.seed_everything(cfg.train.seed, workers=True, verbose=False)
-    module, plan = build_module(cfg, vocab_dir)
-    dm = HiddenStateDataModule(cfg, hidden_dir=hidden)
-    logger = make_logger(cfg, out)
-    trainer = make_trainer(cfg, out, logger)
+    L.seed_everything(train.seed, workers=True, verbose=False)
+    module = build_module(plan, train, trainer.max_steps)
+    dm = HiddenStateDataModule.from_plan(plan, train, extract)
+    exp_logger = make_logger(logger, out, plan.config)
+    fitter = make_trainer(trainer, out, exp_logger)
+    ckpt = plan.resume.training_checkpoint(out)
+    if ckpt is not None and plan.resume.mode == "auto":
+        log.info("resuming from %s", ckpt)
     t0 = time.perf_counter()
-    trainer.fit(module, datamodule=dm, ckpt_path=resume_path(cfg, out), weights_only=True)
+    fitter.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None, weights_only=True)
     wall = time.perf_counter() - t0
-    if trainer.interrupted:
+    if fitter.interrupted:
         raise SystemExit(130)
-    draft_dir = export(module.draft, out / "draft", plan.aux_ids,
-                       include_embeddings=not cfg.train.freeze_embeddings)
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    summary = {"stage": "train", "steps": trainer.global_step, "train_seconds": wall,
-               "train_tokens_per_step": _mean_tokens_per_batch(dm),
+    draft_dir = save(module.draft, out / "draft", list(plan.aux_layer_ids),
+                     include_embeddings=not train.freeze_embeddings)
+    metrics = {k: float(v) for k, v in fitter.callback_metrics.items()}
+    summary = {"stage": "train", "steps": fitter.global_step, "train_seconds": wall,
+               "train_tokens_per_step": dm.mean_tokens_per_batch(),
                "train_samples": len(dm.train_set), "val_samples": len(dm.val_set),
-               "metrics": metrics, "draft": str(draft_dir), "hidden": hidden, "vocab": vocab_dir}
-    if logger and cfg.logger.name.value == "wandb":
-        summary["wandb_run_id"] = logger.experiment.id
+               "metrics": metrics, "draft": str(draft_dir), "hidden": str(plan.hidden.folder),
+               "vocab": str(plan.vocab.folder)}
+    if exp_logger and logger.name is LoggerName.wandb:
+        summary["wandb_run_id"] = exp_logger.experiment.id
     artifacts.write_json_atomic(out / "train_summary.json", summary)
     log.info("trained %d steps in %.1fs; val acc_0 %.3f, accept_len %.2f; draft -> %s",
-             trainer.global_step, wall, metrics.get("val/acc_0", float("nan")),
+             fitter.global_step, wall, metrics.get("val/acc_0", float("nan")),
              metrics.get("val/accept_len", float("nan")), draft_dir)
-    return str(draft_dir)
+    return Outcome("draft", "built", draft_dir)

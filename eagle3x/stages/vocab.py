@@ -16,10 +16,10 @@ import logging
 from pathlib import Path
 from typing import Any, Dict, Tuple
 
-from omegaconf import DictConfig
-
-from eagle3x import artifacts, layout
-from eagle3x.stages.common import note, plain_config, reusable, verifier_path
+from eagle3x import artifacts
+from eagle3x.artifacts import Outcome
+from eagle3x.data import prepared
+from eagle3x.plan import RunPlan
 
 log = logging.getLogger("eagle3x")
 FILE = "vocab.safetensors"
@@ -58,39 +58,36 @@ def count_targets(prepared: Dict[str, Any], target_size: int, first: int, last: 
     return np.bincount(ids[mask], minlength=target_size)[:target_size].astype(np.int64)
 
 
-def run(cfg: DictConfig) -> str:
-    out = layout.vocab_dir(cfg)
-    fp = layout.vocab_fingerprint(cfg)
-    if reusable(out, fp, "the draft vocabulary"):
-        return str(out)
+def run(plan: RunPlan) -> Outcome:
+    """The draft vocabulary of the plan's training samples, built unless already there."""
+    out = plan.vocab.folder
+    if artifacts.reuse(out, plan.vocab.fingerprint, "the draft vocabulary"):
+        log.info("reusing the draft vocabulary at %s (same inputs and settings)", out)
+        return Outcome("vocab", "reused", out)
     from safetensors.numpy import save_file
 
-    from eagle3x.stages import prepare
-    from eagle3x.verifier import read_info
-
-    info = read_info(verifier_path(cfg))
-    data = prepare.load(layout.prepared_dir(cfg))
-    first, last = layout.sample_split(cfg, data["n"])
-    counts = count_targets(data, info.vocab_size, first, last)
-    d2t, t2d, filled = build_mapping(counts, cfg.vocab.draft_vocab_size)
+    target_size = plan.verifier.info.vocab_size
+    data = prepared.load(plan.prepared.folder)
+    first, last = plan.split.bounds(data["n"])
+    counts = count_targets(data, target_size, first, last)
+    d2t, t2d, filled = build_mapping(counts, plan.draft_vocab_size)
     if filled:
         log.warning("only %d distinct trained tokens: filled the draft vocab with the %d lowest "
-                    "unused ids", cfg.vocab.draft_vocab_size - filled, filled)
+                    "unused ids", plan.draft_vocab_size - filled, filled)
     covered = int(counts[t2d].sum())
-    stats = {"draft_vocab_size": len(d2t), "target_vocab_size": info.vocab_size,
+    stats = {"draft_vocab_size": len(d2t), "target_vocab_size": target_size,
              "distinct_tokens": int((counts > 0).sum()), "filled": filled,
              "trained_tokens": int(counts.sum()),
              "coverage": covered / max(int(counts.sum()), 1), "samples": last - first}
-    manifest = artifacts.new_manifest("vocab", plain_config(cfg), fp, stats=stats)
+    manifest = artifacts.new_manifest("vocab", plan.config, plan.vocab.fingerprint, stats=stats)
     with artifacts.building(out) as tmp:
         save_file({"d2t": d2t, "t2d": t2d, "counts": counts}, str(Path(tmp) / FILE))
         manifest["files"] = [artifacts.file_entry(Path(tmp) / FILE)]
         manifest["complete"] = True
         artifacts.write_json_atomic(Path(tmp) / artifacts.MANIFEST, manifest)
-    note("vocab", "built", out)
     log.info("draft vocab %d of %d tokens covers %.1f%% of trained tokens -> %s",
-             len(d2t), info.vocab_size, 100 * stats["coverage"], out)
-    return str(out)
+             len(d2t), target_size, 100 * stats["coverage"], out)
+    return Outcome("vocab", "built", out)
 
 
 def load(folder: str | Path) -> Dict[str, Any]:

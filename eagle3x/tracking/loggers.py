@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
-from omegaconf import DictConfig
-
-from eagle3x.stages.common import plain_config
+from eagle3x.config.schema import LoggerConfig, LoggerName
 
 
 def overrides() -> List[str]:
@@ -39,19 +37,20 @@ def sweep_group() -> Optional[str]:
     return None
 
 
-def make_logger(cfg: DictConfig, out: Path, job_type: str = "train") -> Any:
-    """A Lightning logger per `logger.name`, or False for none."""
-    name = cfg.logger.name.value
-    if name == "none":
+def make_logger(settings: LoggerConfig, out: Path, config: Dict[str, Any],
+                job_type: str = "train") -> Any:
+    """A Lightning logger per `settings.name` (False for none); `config` is what the run
+    logs as its configuration (the whole resolved config)."""
+    if settings.name is LoggerName.none:
         return False
-    if name == "csv":
+    if settings.name is LoggerName.csv:
         from lightning.pytorch.loggers import CSVLogger
 
         return CSVLogger(save_dir=str(out), name="csv", version="")
     from lightning.pytorch.loggers import WandbLogger
 
-    tags = list(cfg.logger.tags) + [o for o in overrides() if not o.startswith("hydra")][:20]
-    return WandbLogger(project=cfg.logger.project, entity=cfg.logger.entity, name=run_name(),
-                       group=cfg.logger.group or sweep_group(), job_type=job_type,
-                       tags=[t[:64] for t in tags], mode=cfg.logger.mode, save_dir=str(out),
-                       config=plain_config(cfg))
+    tags = list(settings.tags) + [o for o in overrides() if not o.startswith("hydra")][:20]
+    return WandbLogger(project=settings.project, entity=settings.entity, name=run_name(),
+                       group=settings.group or sweep_group(), job_type=job_type,
+                       tags=[t[:64] for t in tags], mode=settings.mode, save_dir=str(out),
+                       config=config)

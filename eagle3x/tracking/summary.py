@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Sequence
 
-from omegaconf import DictConfig
-
-from eagle3x import artifacts, layout
-from eagle3x.stages.common import EVENTS
+from eagle3x import artifacts
+from eagle3x.artifacts import Outcome
+from eagle3x.plan import RunPlan
 from eagle3x.tracking.loggers import overrides
 
 
@@ -25,24 +24,25 @@ def _read(path: Path) -> Dict[str, Any]:
         return {}
 
 
-def first_status() -> Dict[str, Dict[str, str]]:
+def first_status(outcomes: Sequence[Outcome]) -> Dict[str, Dict[str, str]]:
     """Per artifact kind, whether this job built it or found it (its first encounter)."""
     seen: Dict[str, Dict[str, str]] = {}
-    for kind, status, path in EVENTS:
-        seen.setdefault(kind, {"status": status, "path": path})
+    for o in outcomes:
+        if o.kind in ("prepared", "hidden", "vocab"):
+            seen.setdefault(o.kind, {"status": o.status, "path": str(o.path)})
     return seen
 
 
-def write(cfg: DictConfig, stage_seconds: Dict[str, float]) -> Path:
-    out = layout.run_dir(cfg)
+def write(plan: RunPlan, outcomes: Sequence[Outcome], stage_seconds: Dict[str, float]) -> Path:
+    out = plan.run_dir
     out.mkdir(parents=True, exist_ok=True)
     train = _read(out / "train_summary.json")
     evaluation = _read(out / "eval.json")
     metrics = train.get("metrics", {})
     summary = {
         "overrides": overrides(),
-        "stage": cfg.stage.value,
-        "num_samples": cfg.data.num_samples,
+        "stage": plan.stage.value,
+        "num_samples": plan.split.num_samples,
         "train_samples": train.get("train_samples"),
         "train_tokens": int(train.get("train_tokens_per_step", 0) * train.get("steps", 0)) or None,
         "steps": train.get("steps"),
@@ -51,7 +51,7 @@ def write(cfg: DictConfig, stage_seconds: Dict[str, float]) -> Path:
         "eval_accepted_length": evaluation.get("mean_accepted_length"),
         "eval_acceptance_per_depth": evaluation.get("acceptance_rate_per_depth"),
         "stage_seconds": stage_seconds,
-        "artifacts": first_status(),
+        "artifacts": first_status(outcomes),
         "wandb_run_id": train.get("wandb_run_id"),
     }
     artifacts.write_json_atomic(out / "summary.json", summary)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import messages_record, write_jsonl
+from tests.helpers import messages_record, write_jsonl
 
 GOOD = json.dumps(messages_record(("user", "hi"), ("assistant", "hello")))
 

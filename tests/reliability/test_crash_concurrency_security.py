@@ -18,8 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_sigkill_during_prepare_then_rerun_gives_identical_data(cli, store, tmp_path, tiny_verifier):
-    from eagle3x.stages.prepare import load
-    from tests.conftest import stage_output
+    from eagle3x.data.prepared import load
+    from tests.helpers import stage_output
 
     # Many conversations so prepare runs long enough to be killed in the middle.
     lines = (REPO / "eagle3x/resources/sample_conversations.jsonl").read_text().splitlines() * 15

@@ -14,7 +14,7 @@ import torch
 
 from eagle3x.artifacts import ArtifactError
 from eagle3x.data.shards import ShardReader
-from tests.conftest import stage_output
+from tests.helpers import plan_for, stage_output
 
 KEYS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
 
@@ -196,11 +196,11 @@ def test_manifest_records_the_contract(cli, prepared, tmp_path):
 
 
 def test_datamodule_builds_missing_shards_and_batches_them(store, tiny_verifier):
-    from eagle3x.config.compose import load_config
     from eagle3x.data.datamodule import HiddenStateDataModule
 
-    cfg = load_config(["stage=train", "engine=hf", "data.num_samples=24", "train.batch_size=4"])
-    dm = HiddenStateDataModule(cfg)
+    settings, plan = plan_for(["stage=train", "engine=hf", "data.num_samples=24",
+                               "train.batch_size=4"])
+    dm = HiddenStateDataModule.from_plan(plan, settings.train, settings.extract, settings.engine)
     dm.prepare_data()  # nothing exists yet: prepare + extract through the configured engine
     dm.setup()
     assert len(dm.val_set) == 32 and len(dm.train_set) == 24

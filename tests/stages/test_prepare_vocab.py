@@ -9,7 +9,7 @@ import pytest
 
 from eagle3x.data.conversations import DataError, iter_conversations
 from eagle3x.stages.vocab import build_mapping
-from tests.conftest import messages_record, sharegpt_record, stage_output, write_jsonl
+from tests.helpers import messages_record, sharegpt_record, stage_output, write_jsonl
 
 CONVS = [
     (("user", "hi"), ("assistant", "Hello there")),
@@ -62,7 +62,7 @@ def test_truncation_counts_and_cuts(tok):
 def _prepare(cli, path, *extra):
     r = cli("stage=prepare", f"data.path={path}", *extra)
     assert r.returncode == 0, r.stderr
-    from eagle3x.stages.prepare import load
+    from eagle3x.data.prepared import load
 
     return load(stage_output(r, "prepare"))
 
@@ -158,13 +158,14 @@ def test_mapping_is_consistent_for_random_counts():
 
 
 def test_vocab_stage_counts_trained_tokens_of_the_sample_prefix(cli, tmp_path, tiny_verifier):
-    from eagle3x.stages import prepare, vocab
+    from eagle3x.data import prepared
+    from eagle3x.stages import vocab
 
     assert cli("stage=prepare").returncode == 0
     r = cli("stage=vocab", "data.num_samples=50", "vocab.draft_vocab_size=100")
     assert r.returncode == 0, r.stderr
     v = vocab.load(stage_output(r, "vocab"))
-    data = prepare.load(stage_output(cli("stage=prepare"), "prepare"))
+    data = prepared.load(stage_output(cli("stage=prepare"), "prepare"))
     hold = 32  # data=sample holds out the first 32 samples; training counts the next 50
     expected = {}
     for k in range(hold, hold + 50):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.conftest import write_jsonl
+from tests.helpers import write_jsonl
 
 HEAVY = ("torch", "vllm", "lightning", "transformers")
 
@@ -216,7 +216,7 @@ def test_resume_checkpoint_must_exist(cli, tmp_path):
 
 
 def test_holdout_plus_training_samples_must_fit_the_data(cli, tmp_path):
-    from tests.conftest import messages_record, write_jsonl
+    from tests.helpers import messages_record, write_jsonl
 
     path = write_jsonl(tmp_path / "d.jsonl", [messages_record(("user", "q"), ("assistant", "a"))] * 10)
     refused(cli("stage=extract", f"data.path={path}", "data.holdout_samples=10"),

@@ -1,4 +1,4 @@
-"""Export a trained draft as the folder vLLM's and SGLang's EAGLE-3 loaders read.
+"""Save a trained draft as the folder vLLM's and SGLang's EAGLE-3 loaders read, and load it back.
 
     draft/config.json        LlamaForCausalLMEagle3 config: sizes, heads, rope, vocabularies,
                              target_hidden_size, eagle_config.eagle_aux_hidden_state_layer_ids
@@ -48,7 +48,7 @@ def draft_config(shape: DraftShape, aux_layer_ids: List[int], dtype: torch.dtype
     }
 
 
-def export(draft: Eagle3Draft, out: str | Path, aux_layer_ids: List[int],
+def save(draft: Eagle3Draft, out: str | Path, aux_layer_ids: List[int],
            include_embeddings: bool = False, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write config.json + model.safetensors atomically into `out`."""
     from safetensors.torch import save_file

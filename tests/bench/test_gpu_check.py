@@ -7,7 +7,7 @@ import os
 import subprocess
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_gpu_check_smoke_writes_every_figure(tmp_path, cache_dir):

@@ -12,26 +12,27 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import stage_output
+from tests.helpers import plan_for, stage_output
 
 FAST = ["trainer.max_steps=40", "train.ttt_steps=3", "eval.depth=3"]
 
 
 def untrained_report(overrides: list) -> dict:
     """Eval of the freshly initialised draft, on the same held-out samples."""
-    from eagle3x.config.compose import load_config
     from eagle3x.data.datamodule import HiddenStateDataModule
-    from eagle3x.draft.module import verifier_head
     from eagle3x.stages import vocab
     from eagle3x.stages.evaluate import evaluate
     from eagle3x.stages.train import build_module
+    from eagle3x.weights import verifier_head
 
-    cfg = load_config(["stage=eval", *overrides])
-    module, plan = build_module(cfg, vocab.run(cfg))
-    dm = HiddenStateDataModule(cfg, hidden_dir=str(plan.out))
+    settings, plan = plan_for(["stage=eval", *overrides])
+    vocab.run(plan)
+    module = build_module(plan, settings.train, settings.trainer.max_steps)
+    dm = HiddenStateDataModule.from_plan(plan, settings.train, settings.extract)
     dm.setup()
-    head = verifier_head(plan.verifier, False).float()
-    return evaluate(module.draft, head, dm.val_dataloader(), cfg.eval.depth, cfg.eval.max_samples)
+    head = verifier_head(plan.verifier.path, False).float()
+    return evaluate(module.draft, head, dm.val_dataloader(), settings.eval.depth,
+                    settings.eval.max_samples)
 
 
 def test_stage_all_trains_a_draft_well_above_the_untrained_one(cli, store, tmp_path):

@@ -1,0 +1,58 @@
+"""Checks of the composed config alone: required keys, and each field's Rule from the schema.
+
+The rules are declared beside their fields in ``schema.py`` (``checked(...)``,
+``at_least(...)``); this module only walks the schema and applies them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator, List, Tuple
+
+from omegaconf import DictConfig, OmegaConf
+
+from eagle3x.config.problems import Problem
+from eagle3x.config.schema import RULE, Eagle3xConfig, Rule, Stage
+
+
+def declared_rules(schema: type = Eagle3xConfig, prefix: str = "") -> Iterator[Tuple[str, Rule]]:
+    """(dotted key, rule) for every field of the schema that declares one, in schema order."""
+    for f in dataclasses.fields(schema):
+        key = prefix + f.name
+        if RULE in f.metadata:
+            yield key, f.metadata[RULE]
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(default):
+            yield from declared_rules(type(default), key + ".")
+
+
+def check_values(cfg: DictConfig, need_stage: bool = True) -> List[Problem]:
+    """Problems visible in the config alone: missing required keys and values breaking a rule."""
+    problems: List[Problem] = []
+    if need_stage and OmegaConf.is_missing(cfg, "stage"):
+        problems.append(Problem("stage", "no stage given.",
+                                hint="choose one: " + ", ".join(f"stage={s.name}" for s in Stage)))
+    job_cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])
+    for key in sorted(OmegaConf.missing_keys(job_cfg)):
+        if key != "stage":
+            problems.append(Problem(key, "required, and not set.",
+                                    hint=f"set it on the command line: {key}=..."))
+    for key, rule in declared_rules():
+        try:
+            value = OmegaConf.select(cfg, key, throw_on_missing=True)
+        except Exception:
+            continue
+        if isinstance(value, DictConfig) or not _holds(rule, value):
+            problems.append(Problem(key, rule.why + ".", value=_show(value)))
+    return problems
+
+
+def _holds(rule: Rule, value: Any) -> bool:
+    try:
+        return bool(rule.ok(value))
+    except TypeError:
+        return False
+
+
+def _show(value: Any) -> str:
+    return str(OmegaConf.to_container(value) if OmegaConf.is_config(value) else value)

@@ -1,0 +1,287 @@
+"""The resolved plan of one run: what every stage reads and writes, computed once.
+
+``resolve(settings)`` turns a validated config into a frozen ``RunPlan``: the verifier
+(path, shape facts from config.json, fingerprint), the aux layer ids, the conversations and
+their fingerprint, each artifact's folder and fingerprint, the held-out/training split and
+the run folder. Stages take the plan plus the typed settings they own; nothing below the
+stage boundary reads the config again. Preflight resolves the same plan to check the world,
+and ``python -m eagle3x --plan ...`` prints it.
+
+Fingerprints key the shared artifact store (``<paths.artifacts>/<kind>/<fingerprint>``):
+
+    prepared  data content, verifier (config + tokenizer), format, seed, max_seq_len
+    hidden    prepared data, verifier, aux layer ids, stored dtype   (not the sample count:
+              extraction grows a prefix of the prepared order)
+    vocab     prepared data, holdout_samples, num_samples, draft_vocab_size
+
+An explicit folder (``prepare.output_dir``, ``extract.prepared_data``, ``extract.output_dir``,
+``vocab.output_dir``) always wins over the store. This module imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+from eagle3x import artifacts, verifier
+from eagle3x.config.schema import Eagle3xConfig, Stage
+from eagle3x.verifier import VerifierInfo
+
+
+class PlanError(artifacts.ArtifactError):
+    """The plan cannot be resolved (an input is missing); the message names the key."""
+
+
+def _abs(p: str | Path) -> Path:
+    return Path(p).expanduser().absolute()
+
+
+@dataclass(frozen=True)
+class VerifierRef:
+    """The verifier this run reads: its folder, config.json facts and fingerprint."""
+
+    path: Path
+    tiny: bool
+    trust_remote_code: bool
+    fingerprint: str
+    info: VerifierInfo = field(repr=False)
+
+    @property
+    def tied_head(self) -> bool:
+        return bool(self.info.raw.get("tie_word_embeddings", False))
+
+    @property
+    def rms_norm_eps(self) -> float:
+        return float(self.info.raw.get("rms_norm_eps", 1e-6))
+
+
+@dataclass(frozen=True)
+class Source:
+    """The conversations and the settings prepare applies to them."""
+
+    path: Path
+    format: str
+    seed: int
+    max_seq_len: int
+    #: content fingerprint of the file or folder; None when it cannot be read
+    fingerprint: Optional[str]
+
+    def settings(self) -> Dict[str, Any]:
+        """What decides the prepared data, as json (recorded in its manifest)."""
+        return {"data": str(self.path), "format": self.format, "seed": self.seed,
+                "max_seq_len": self.max_seq_len}
+
+
+@dataclass(frozen=True)
+class ArtifactRef:
+    """One artifact of the store: where it lives and the fingerprint this run needs there."""
+
+    kind: str
+    folder: Path
+    #: fingerprint of the inputs and settings that make it; None when an input is unreadable
+    fingerprint: Optional[str]
+    #: the user named the folder (else it is the store's folder for the fingerprint)
+    explicit: bool
+
+
+@dataclass(frozen=True)
+class Split:
+    """Held-out samples are [0, holdout) of the prepared order; training samples the next
+    `num_samples` (None: all the rest). `min_samples` lets a sweep's first job extract for all."""
+
+    holdout: int
+    num_samples: Optional[int]
+    min_samples: Optional[int] = None
+
+    def bounds(self, available: int) -> Tuple[int, int]:
+        """(holdout_end, train_end) within `available` prepared samples, or ArtifactError."""
+        end = self.holdout + self.num_samples if self.num_samples else available
+        if end > available or self.holdout >= available:
+            raise artifacts.ArtifactError(
+                f"data.holdout_samples={self.holdout} + data.num_samples={self.num_samples} "
+                f"need {max(end, self.holdout + 1)} samples; the prepared data holds {available}")
+        return self.holdout, end
+
+    def extract_until(self, available: int) -> int:
+        """How many samples of the prepared order extraction must hold."""
+        _, end = self.bounds(available)
+        if self.num_samples is not None and self.min_samples:
+            end = min(max(end, self.holdout + self.min_samples), available)
+        return end
+
+
+@dataclass(frozen=True)
+class Resume:
+    """`train.resume`, read in one place: "auto" (the run folder's last.ckpt when it exists),
+    "none", or the path of a checkpoint file."""
+
+    mode: str  # "auto" | "none" | "path"
+    path: Optional[Path] = None
+
+    @classmethod
+    def parse(cls, value: str) -> "Resume":
+        if value in ("auto", "none"):
+            return cls(value)
+        return cls("path", Path(value).expanduser())
+
+    def problem(self) -> Optional[str]:
+        """Why this setting cannot work, or None."""
+        if self.mode == "path" and not self.path.is_file():
+            return f"no checkpoint file at {self.path}."
+        return None
+
+    def training_checkpoint(self, run_dir: Path) -> Optional[Path]:
+        """The checkpoint training continues from (None: start fresh)."""
+        if self.mode == "none":
+            return None
+        if self.mode == "path":
+            if not self.path.is_file():
+                raise artifacts.ArtifactError(f"train.resume={self.path}: no such checkpoint file")
+            return self.path
+        last = last_checkpoint(run_dir)
+        return last if last.exists() else None
+
+    def export_checkpoint(self, run_dir: Path) -> Path:
+        """The checkpoint `stage=export` writes a draft from."""
+        return self.path if self.mode == "path" else last_checkpoint(run_dir)
+
+
+def last_checkpoint(run_dir: Path) -> Path:
+    return run_dir / "checkpoints" / "last.ckpt"
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Everything one run reads and writes, resolved once from the validated config."""
+
+    stage: Stage
+    verifier: VerifierRef
+    aux_layer_ids: Tuple[int, ...]
+    source: Source
+    prepared: ArtifactRef
+    hidden: ArtifactRef
+    vocab: ArtifactRef
+    hidden_dtype: str
+    draft_vocab_size: int
+    split: Split
+    resume: Resume
+    run_dir: Path
+    #: the whole resolved config as json (for manifests and the experiment logger)
+    config: Dict[str, Any] = field(repr=False, compare=False)
+
+    def describe(self) -> Dict[str, Any]:
+        """The plan as json: what `--plan` prints and each run folder's plan.json holds."""
+        def ref(a: ArtifactRef) -> Dict[str, Any]:
+            return {"folder": str(a.folder), "fingerprint": a.fingerprint,
+                    "explicit": a.explicit,
+                    "exists": artifacts.complete_manifest(a.folder) is not None}
+
+        return {
+            "stage": self.stage.value,
+            "verifier": {"path": str(self.verifier.path), "tiny": self.verifier.tiny,
+                         "fingerprint": self.verifier.fingerprint,
+                         "architectures": list(self.verifier.info.architectures),
+                         "num_layers": self.verifier.info.num_layers,
+                         "hidden_size": self.verifier.info.hidden_size,
+                         "vocab_size": self.verifier.info.vocab_size},
+            "aux_layer_ids": list(self.aux_layer_ids),
+            "data": {**self.source.settings(), "fingerprint": self.source.fingerprint},
+            "split": {"holdout_samples": self.split.holdout,
+                      "num_samples": self.split.num_samples,
+                      "min_samples": self.split.min_samples},
+            "prepared": ref(self.prepared), "hidden": {**ref(self.hidden),
+                                                        "dtype": self.hidden_dtype},
+            "vocab": {**ref(self.vocab), "draft_vocab_size": self.draft_vocab_size},
+            "resume": self.resume.mode if self.resume.path is None else str(self.resume.path),
+            "run_dir": str(self.run_dir),
+        }
+
+
+def read_verifier_info(path: Path, tiny: bool) -> VerifierInfo:
+    """config.json facts; for the embedded tiny verifier, its spec until it is built."""
+    if tiny and not (path / "config.json").exists():
+        from eagle3x.tiny import config_dict
+
+        return VerifierInfo.from_config(config_dict())
+    return verifier.read_info(path)
+
+
+def resolve(cfg: Eagle3xConfig, run_dir: Optional[Path] = None,
+            info: Optional[VerifierInfo] = None) -> RunPlan:
+    """The plan of a run for the typed, validated config `cfg`.
+
+    `run_dir` is Hydra's job folder (used unless `train.output_dir` is set); `info` skips
+    reading config.json again when the caller already has it. Reads config.json and
+    fingerprints each input once (memoised per process); builds nothing.
+    """
+    vpath = Path(cfg.verifier.path).expanduser()
+    if info is None:
+        info = read_verifier_info(vpath, cfg.verifier.tiny)
+    vref = VerifierRef(vpath, cfg.verifier.tiny, cfg.verifier.trust_remote_code,
+                       verifier.fingerprint(vpath, tiny=cfg.verifier.tiny), info)
+    aux = tuple(verifier.aux_layers(cfg.extract.aux_layer_ids, info.num_layers))
+
+    data = _abs(cfg.data.path)
+    source = Source(data, cfg.data.format.value, cfg.data.seed, cfg.extract.max_seq_len,
+                    artifacts.file_fingerprint(data) if data.exists() else None)
+    prepared_fp = None
+    if source.fingerprint is not None:
+        prepared_fp = artifacts.digest({"data": source.fingerprint, "verifier": vref.fingerprint,
+                                        **{k: v for k, v in source.settings().items()
+                                           if k != "data"}})
+    store = _abs(cfg.paths.artifacts)
+
+    def place(kind: str, explicit: Optional[str], fp: Optional[str], key: str) -> ArtifactRef:
+        if explicit:
+            return ArtifactRef(kind, _abs(explicit), fp, True)
+        if fp is None:
+            raise PlanError(f"{key}: cannot place the {kind} artifact: {data} cannot be read "
+                            "(data.path)")
+        return ArtifactRef(kind, store / kind / fp, fp, False)
+
+    prepared = place("prepared", cfg.extract.prepared_data or cfg.prepare.output_dir,
+                     prepared_fp, "prepare.output_dir")
+    # Later artifacts are keyed by the prepared data actually there (an explicit folder may
+    # have been made elsewhere), else by what this run will build.
+    made = artifacts.complete_manifest(prepared.folder)
+    prepared_id = made["fingerprint"] if made else prepared_fp
+    hidden_fp = vocab_fp = None
+    if prepared_id is not None:
+        hidden_fp = artifacts.digest({"prepared": prepared_id, "verifier": vref.fingerprint,
+                                      "aux_layer_ids": list(aux), "dtype": cfg.extract.dtype.value})
+        vocab_fp = artifacts.digest({"prepared": prepared_id, "num_samples": cfg.data.num_samples,
+                                     "holdout_samples": cfg.data.holdout_samples,
+                                     "draft_vocab_size": cfg.vocab.draft_vocab_size})
+    hidden = place("hidden", cfg.extract.output_dir, hidden_fp, "extract.output_dir")
+    vocab = place("vocab", cfg.vocab.output_dir, vocab_fp, "vocab.output_dir")
+
+    if cfg.train.output_dir:
+        out = _abs(cfg.train.output_dir)
+    else:
+        out = _abs(run_dir) if run_dir is not None else _abs("outputs") / "train"
+    return RunPlan(
+        stage=cfg.stage, verifier=vref, aux_layer_ids=aux, source=source, prepared=prepared,
+        hidden=hidden, vocab=vocab, hidden_dtype=cfg.extract.dtype.value,
+        draft_vocab_size=cfg.vocab.draft_vocab_size,
+        split=Split(cfg.data.holdout_samples, cfg.data.num_samples, cfg.extract.min_samples),
+        resume=Resume.parse(cfg.train.resume), run_dir=out, config=config_record(cfg))
+
+
+def config_record(cfg: Any) -> Dict[str, Any]:
+    """The whole resolved config as json-able values (enums as their names)."""
+    import dataclasses
+    from enum import Enum
+
+    def plain(v: Any) -> Any:
+        if dataclasses.is_dataclass(v):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, Enum):
+            return v.value
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    return plain(cfg)

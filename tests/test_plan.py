@@ -1,0 +1,141 @@
+"""The resolved plan: fingerprints and folders, train.resume, and each input hashed once."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import messages_record, plan_for, settings_for, write_jsonl
+
+
+@pytest.fixture
+def data(tmp_path) -> Path:
+    records = [messages_record(("user", f"question {i}"), ("assistant", f"answer {i}"))
+               for i in range(40)]
+    return write_jsonl(tmp_path / "d.jsonl", records)
+
+
+def plan(store, *overrides):
+    from eagle3x.plan import resolve
+
+    return resolve(settings_for(["stage=train", *overrides]))
+
+
+def test_store_folders_are_keyed_by_their_fingerprints(store, data):
+    p = plan(store, f"data.path={data}")
+    for ref in (p.prepared, p.hidden, p.vocab):
+        assert not ref.explicit and ref.folder == store.absolute() / ref.kind / ref.fingerprint
+    assert len({p.prepared.fingerprint, p.hidden.fingerprint, p.vocab.fingerprint}) == 3
+
+
+def test_each_setting_changes_exactly_the_artifacts_it_decides(store, data):
+    base = plan(store, f"data.path={data}")
+
+    def changed(*overrides):
+        other = plan(store, f"data.path={data}", *overrides)
+        return {k for k in ("prepared", "hidden", "vocab")
+                if getattr(other, k).fingerprint != getattr(base, k).fingerprint}
+
+    everything = {"prepared", "hidden", "vocab"}
+    assert changed("data.seed=1") == everything
+    assert changed("extract.max_seq_len=300") == everything
+    assert changed("extract.aux_layer_ids=[0,2,5]") == {"hidden"}
+    assert changed("extract.dtype=float32") == {"hidden"}
+    assert changed("data.num_samples=5") == {"vocab"}  # extraction grows one prefix
+    assert changed("data.holdout_samples=4") == {"vocab"}
+    assert changed("vocab.draft_vocab_size=100") == {"vocab"}
+    assert changed("train.lr=0.5", "extract.batch_size=3", "engine=hf") == set()
+
+
+def test_data_content_is_part_of_the_fingerprint(store, data):
+    before = plan(store, f"data.path={data}")
+    with open(data, "a", encoding="utf-8") as f:
+        f.write(json.dumps(messages_record(("user", "one more"), ("assistant", "ok"))) + "\n")
+    after = plan(store, f"data.path={data}")
+    assert after.source.fingerprint != before.source.fingerprint
+    assert after.prepared.fingerprint != before.prepared.fingerprint
+
+
+def test_explicit_folders_win_over_the_store(store, data, tmp_path):
+    p = plan(store, f"data.path={data}", f"prepare.output_dir={tmp_path}/p",
+             f"extract.output_dir={tmp_path}/h", f"vocab.output_dir={tmp_path}/v",
+             f"train.output_dir={tmp_path}/run")
+    assert (p.prepared.folder, p.hidden.folder, p.vocab.folder, p.run_dir) == (
+        tmp_path / "p", tmp_path / "h", tmp_path / "v", tmp_path / "run")
+    assert p.prepared.explicit and p.hidden.explicit and p.vocab.explicit
+    # extract.prepared_data names the prepared folder even when prepare.output_dir is set.
+    p2 = plan(store, f"data.path={data}", f"prepare.output_dir={tmp_path}/p",
+              f"extract.prepared_data={tmp_path}/q")
+    assert p2.prepared.folder == tmp_path / "q"
+
+
+def test_describe_is_json_and_names_every_folder(store, data):
+    p = plan(store, f"data.path={data}")
+    d = json.loads(json.dumps(p.describe()))
+    assert d["stage"] == "train" and d["aux_layer_ids"] == list(p.aux_layer_ids)
+    assert {d[k]["folder"] for k in ("prepared", "hidden", "vocab")} == {
+        str(p.prepared.folder), str(p.hidden.folder), str(p.vocab.folder)}
+    assert d["prepared"]["exists"] is False
+
+
+def test_plan_flag_prints_the_plan_and_runs_nothing(cli, store, data):
+    r = cli("--plan", "stage=train", f"data.path={data}")
+    assert r.returncode == 0, r.stderr
+    shown = json.loads(r.stdout)
+    assert shown["hidden"]["fingerprint"] == plan(store, f"data.path={data}").hidden.fingerprint
+    assert not store.exists()
+
+
+def test_resume_is_read_in_one_place(tmp_path):
+    from eagle3x.plan import Resume, last_checkpoint
+
+    run = tmp_path / "run"
+    auto, none = Resume.parse("auto"), Resume.parse("none")
+    assert auto.training_checkpoint(run) is None and none.training_checkpoint(run) is None
+    last = last_checkpoint(run)
+    last.parent.mkdir(parents=True)
+    last.write_bytes(b"x")
+    assert auto.training_checkpoint(run) == last and none.training_checkpoint(run) is None
+    assert auto.export_checkpoint(run) == last == none.export_checkpoint(run)
+    given = Resume.parse(str(tmp_path / "other.ckpt"))
+    assert given.problem() and "no checkpoint file" in given.problem()
+    (tmp_path / "other.ckpt").write_bytes(b"y")
+    assert given.problem() is None
+    assert given.training_checkpoint(run) == given.export_checkpoint(run) == tmp_path / "other.ckpt"
+
+
+def test_file_fingerprint_is_read_once_until_the_file_changes(tmp_path, monkeypatch):
+    from eagle3x import artifacts
+
+    reads = []
+    real = artifacts._hash_input
+    monkeypatch.setattr(artifacts, "_hash_input", lambda p, size: reads.append(p) or real(p, size))
+    f = tmp_path / "x.jsonl"
+    f.write_text("one\n")
+    first = artifacts.file_fingerprint(f)
+    assert artifacts.file_fingerprint(f) == first and len(reads) == 1
+    f.write_text("two, longer\n")
+    assert artifacts.file_fingerprint(f) != first and len(reads) == 2
+
+
+def test_a_train_run_hashes_each_input_file_once(store, tiny_verifier, monkeypatch, tmp_path):
+    """The whole `stage=train` command in-process (validation + every stage), counting reads."""
+    from eagle3x import artifacts
+    from eagle3x.__main__ import validate
+    from eagle3x.pipeline import run_stages, stages_for
+
+    artifacts._FINGERPRINTS.clear()
+    reads = []
+    real = artifacts._hash_input
+    monkeypatch.setattr(artifacts, "_hash_input", lambda p, size: reads.append(str(p)) or real(p, size))
+    argv = ["stage=train", "engine=hf", "logger=none", "data.num_samples=16",
+            "trainer.max_steps=2", "train.ttt_steps=2", f"train.output_dir={tmp_path / 'run'}"]
+    assert validate(argv) == []
+    settings, p = plan_for(argv)
+    outcomes = run_stages(p, settings, stages_for(settings.stage))
+    assert [o.kind for o in outcomes] == ["prepared", "hidden", "vocab", "draft"]
+    assert [o.status for o in outcomes[:3]] == ["built"] * 3
+    assert str(p.source.path) in reads
+    assert len(reads) == len(set(reads)), sorted(reads)
