@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from eagle3x import artifacts
 from eagle3x.artifacts import Outcome
-from eagle3x.config.schema import EngineConfig, ExtractConfig
+from eagle3x.config.schema import EngineConfig, ExtractConfig, VerifyMode
 from eagle3x.data import prepared, shards
 from eagle3x.plan import RunPlan
 
@@ -175,7 +175,7 @@ def extract(plan: RunPlan, settings: ExtractConfig, engine_name: str,
     with _exclusive(out):
         m = open_manifest(plan)
         bad = [i for i, e in enumerate(m["shards"])
-               if artifacts.check_entry(out, e, full=settings.verify.value == "sha256")]
+               if artifacts.check_entry(out, e, full=settings.verify is VerifyMode.sha256)]
         if m["samples"] >= target and not bad:
             log.info("reusing hidden states at %s: %d samples in %d shards (%d asked for)",
                      out, m["samples"], len(m["shards"]), target)

@@ -1,4 +1,4 @@
-"""The hidden-state engine protocol and the pieces both engines share.
+"""The hidden-state engine protocol, and `open_engine`, which picks and loads one.
 
 Layer convention: aux layer id k is the *output* of decoder layer k (0-based), i.e.
 Hugging Face's ``hidden_states[k + 1]`` and vLLM's aux layer id ``k + 1``. The last

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import messages_record, write_jsonl
+from tests.helpers import environment, messages_record, plan_for, write_jsonl
 
 GOOD = json.dumps(messages_record(("user", "hi"), ("assistant", "hello")))
 
@@ -106,16 +106,14 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def prepared_store(tmp_path_factory, tiny_verifier, cache_dir):
-    """A store holding real prepared data, made once; each case gets a copy to protect."""
-    import os
-    import subprocess
-    import sys
+    """A store holding real prepared data, made once (in-process); each case gets a copy."""
+    from eagle3x.data import prepared
 
     root = tmp_path_factory.mktemp("prepared-store")
-    env = dict(os.environ, EAGLE3X_ARTIFACTS=str(root / "artifacts"), EAGLE3X_CACHE=str(cache_dir))
-    r = subprocess.run([sys.executable, "-m", "eagle3x", "stage=prepare"], cwd=root, env=env,
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+    with environment(root, {"EAGLE3X_ARTIFACTS": str(root / "artifacts"),
+                            "EAGLE3X_CACHE": str(cache_dir)}):
+        _, plan = plan_for(["stage=prepare"])
+        assert prepared.build(plan).status == "built"
     return root / "artifacts"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import torch
 
 from eagle3x.artifacts import ArtifactError
 from eagle3x.data.shards import ShardReader
-from tests.helpers import plan_for, stage_output
+from tests.helpers import environment, plan_for
 
 KEYS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
 
@@ -33,11 +34,25 @@ def manifest(folder: Path) -> dict:
     return json.loads((folder / "manifest.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def prepared_store(tmp_path_factory, tiny_verifier, cache_dir):
+    """The default prepared data, made once in-process for this module."""
+    from eagle3x.data import prepared as prepared_data
+
+    root = tmp_path_factory.mktemp("prepared-store")
+    with environment(root, {"EAGLE3X_ARTIFACTS": str(root / "artifacts"),
+                            "EAGLE3X_CACHE": str(cache_dir)}):
+        _, plan = plan_for(["stage=prepare"])
+        folder = prepared_data.build(plan).path
+    return root / "artifacts", folder.relative_to(root / "artifacts")
+
+
 @pytest.fixture
-def prepared(cli, tiny_verifier):
-    r = cli("stage=prepare")
-    assert r.returncode == 0, r.stderr
-    return stage_output(r, "prepare")
+def prepared(prepared_store, store):
+    """This test's store, holding a copy of the module's prepared data."""
+    src, rel = prepared_store
+    shutil.copytree(src, store)
+    return store / rel
 
 
 @pytest.mark.vllm

@@ -12,9 +12,36 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import plan_for, stage_output
+from tests.helpers import Cli, environment, plan_for, stage_output
 
 FAST = ["trainer.max_steps=40", "train.ttt_steps=3", "eval.depth=3"]
+
+
+class TrainedRun:
+    """A run trained once for this module, in its own artifact store and folder."""
+
+    def __init__(self, root: Path, cache_dir: Path, *args: str):
+        self.root, self.run = root, root / "run"
+        self.env = {"EAGLE3X_ARTIFACTS": str(root / "artifacts"), "EAGLE3X_CACHE": str(cache_dir),
+                    "WANDB_MODE": "offline"}
+        self.result = self.cli(*args, f"train.output_dir={self.run}")
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess:
+        return Cli(self.root)(*args, env=self.env)
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, tiny_verifier, cache_dir) -> TrainedRun:
+    """`stage=all` on the tiny default (150 steps), logged to an offline W&B run."""
+    return TrainedRun(tmp_path_factory.mktemp("full"), cache_dir, "stage=all", "engine=hf",
+                      "logger=wandb")
+
+
+@pytest.fixture(scope="module")
+def fast_run(tmp_path_factory, tiny_verifier, cache_dir) -> TrainedRun:
+    """`stage=train` for 40 steps, checkpoints every 4."""
+    return TrainedRun(tmp_path_factory.mktemp("fast"), cache_dir, "stage=train", "engine=hf",
+                      "logger=none", *FAST)
 
 
 def untrained_report(overrides: list) -> dict:
@@ -35,13 +62,13 @@ def untrained_report(overrides: list) -> dict:
                     settings.eval.max_samples)
 
 
-def test_stage_all_trains_a_draft_well_above_the_untrained_one(cli, store, tmp_path):
-    run = tmp_path / "run"
-    r = cli("stage=all", "engine=hf", f"train.output_dir={run}", "logger=wandb")
+def test_stage_all_trains_a_draft_well_above_the_untrained_one(full_run):
+    run, r = full_run.run, full_run.result
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     trained = json.loads((run / "eval.json").read_text())
     summary = json.loads((run / "train_summary.json").read_text())
-    before = untrained_report(["engine=hf", f"train.output_dir={run}"])
+    with environment(full_run.root, full_run.env):
+        before = untrained_report(["engine=hf", f"train.output_dir={run}"])
     assert trained["positions"] == before["positions"] > 100
     assert trained["mean_accepted_length"] > before["mean_accepted_length"] + 0.5, (trained, before)
     assert summary["metrics"]["val/acc_0"] > before["acceptance_rate_per_depth"][0] + 0.2
@@ -59,9 +86,8 @@ def test_stage_all_trains_a_draft_well_above_the_untrained_one(cli, store, tmp_p
     assert logged["summary"]["eval/mean_accepted_length"] == trained["mean_accepted_length"]
 
 
-def test_export_has_the_layout_vllm_reads(cli, store, tmp_path):
-    run = tmp_path / "run"
-    r = cli("stage=train", "engine=hf", "logger=none", f"train.output_dir={run}", *FAST)
+def test_export_has_the_layout_vllm_reads(fast_run):
+    r = fast_run.result
     assert r.returncode == 0, r.stderr[-3000:]
     draft = stage_output(r, "train")
     cfg = json.loads((draft / "config.json").read_text())
@@ -85,13 +111,13 @@ def test_export_has_the_layout_vllm_reads(cli, store, tmp_path):
     assert bool(t2d[torch.arange(256) + d2t].all())
 
 
-def test_export_stage_rebuilds_the_same_draft_from_the_checkpoint(cli, store, tmp_path):
-    run = tmp_path / "run"
-    assert cli("stage=train", "engine=hf", "logger=none", f"train.output_dir={run}", *FAST).returncode == 0
+def test_export_stage_rebuilds_the_same_draft_from_the_checkpoint(fast_run):
+    run = fast_run.run
+    assert fast_run.result.returncode == 0
     from safetensors.torch import load_file
 
     first = load_file(str(run / "draft" / "model.safetensors"))
-    r = cli("stage=export", "engine=hf", f"train.output_dir={run}", *FAST)
+    r = fast_run.cli("stage=export", "engine=hf", f"train.output_dir={run}", *FAST)
     assert r.returncode == 0, r.stderr[-2000:]
     again = load_file(str(run / "draft" / "model.safetensors"))
     assert first.keys() == again.keys()
@@ -132,13 +158,13 @@ def test_killed_training_resumes_at_the_same_step_with_the_same_data(cli, store,
         assert torch.equal(a[k], b[k]), k
 
 
-def test_resume_from_an_explicit_checkpoint_path(cli, store, tmp_path):
-    run = tmp_path / "run"
-    assert cli("stage=train", "engine=hf", "logger=none", f"train.output_dir={run}", *FAST).returncode == 0
+def test_resume_from_an_explicit_checkpoint_path(fast_run, tmp_path):
+    run = fast_run.run
+    assert fast_run.result.returncode == 0
     ckpt = run / "checkpoints" / "step000020.ckpt"
     other = tmp_path / "other"
-    r = cli("stage=train", "engine=hf", "logger=none", f"train.output_dir={other}",
-            f"train.resume={ckpt}", *FAST)
+    r = fast_run.cli("stage=train", "engine=hf", "logger=none", f"train.output_dir={other}",
+                     f"train.resume={ckpt}", *FAST)
     assert r.returncode == 0 and "resuming" not in r.stdout  # explicit path, not auto
     a, b = _weights(run), _weights(other)
     for k in a:
@@ -146,11 +172,11 @@ def test_resume_from_an_explicit_checkpoint_path(cli, store, tmp_path):
 
 
 @pytest.mark.vllm
-def test_vllm_serves_the_export_as_an_eagle3_draft_with_identical_greedy_output(cli, store, tmp_path,
+def test_vllm_serves_the_export_as_an_eagle3_draft_with_identical_greedy_output(full_run,
                                                                                  tiny_verifier):
     pytest.importorskip("vllm")
-    run = tmp_path / "run"
-    assert cli("stage=train", "engine=hf", "logger=none", f"train.output_dir={run}").returncode == 0
+    run = full_run.run
+    assert full_run.result.returncode == 0
     r = subprocess.run([sys.executable, "-m", "eagle3x.draft.vllm_check", "--verifier",
                         str(tiny_verifier), "--draft", str(run / "draft"), "--k", "3"],
                        capture_output=True, text=True, timeout=900)
