@@ -19,9 +19,10 @@ from eagle3x.draft.model import Eagle3Draft
 
 
 def shift(x: torch.Tensor, s: int, fill: float = 0) -> torch.Tensor:
-    """x[:, s:] padded back to x's length along dim 1."""
+    """x[:, s:] padded back to x's length along dim 1 (all `fill` when s >= the length)."""
     if s == 0:
         return x
+    s = min(s, x.shape[1])  # a batch shorter than the unrolled steps
     pad = x.new_full((x.shape[0], s, *x.shape[2:]), fill)
     return torch.cat([x[:, s:], pad], dim=1)
 

@@ -1,0 +1,160 @@
+"""Unit tests for the training batch order (StepBatchSampler) and `collate`."""
+
+from __future__ import annotations
+
+from itertools import islice
+
+import pytest
+import torch
+
+from eagle3x.data.datamodule import StepBatchSampler, collate
+
+
+def sampler(n=12, bs=3, seed=0, start=0, rank=0, world=1, total=10 ** 9) -> StepBatchSampler:
+    return StepBatchSampler(n, bs, seed, start=lambda: start, rank=rank, world=world, total=total)
+
+
+def take(s: StepBatchSampler, k: int) -> list:
+    return list(islice(iter(s), k))
+
+
+# --------------------------------------------------------------------------------------
+# StepBatchSampler
+# --------------------------------------------------------------------------------------
+
+def test_batches_are_a_pure_function_of_seed_and_global_batch_number():
+    a, b = sampler(seed=5), sampler(seed=5)
+    assert take(a, 10) == take(b, 10)
+    assert [a.batch(g) for g in (7, 0, 3)] == [b.batch(7), b.batch(0), b.batch(3)]
+    assert a.batch(4) == a.batch(4)  # asking twice (or out of order) changes nothing
+    assert take(a, 10) == [a.batch(g) for g in range(10)]
+
+
+def test_different_seeds_give_different_orders():
+    assert take(sampler(seed=0), 8) != take(sampler(seed=1), 8)
+
+
+@pytest.mark.parametrize("start", [1, 3, 4, 9])
+def test_sampler_started_at_step_s_yields_the_tail_of_one_started_at_zero(start):
+    whole = take(sampler(seed=2), 15)
+    resumed = take(sampler(seed=2, start=start), 15 - start)
+    assert resumed == whole[start:]
+
+
+def test_start_is_read_when_iteration_begins():
+    step = {"now": 0}
+    s = StepBatchSampler(12, 3, 0, start=lambda: step["now"])
+    first = take(s, 6)
+    step["now"] = 4
+    assert take(s, 2) == first[4:6]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_of_a_world_partition_the_batches(world):
+    single = take(sampler(n=24, bs=2, seed=3), 4 * world)
+    per_rank = [take(sampler(n=24, bs=2, seed=3, rank=r, world=world), 4) for r in range(world)]
+    # rank r's i-th batch is global batch i * world + r
+    for r in range(world):
+        for i in range(4):
+            assert per_rank[r][i] == single[i * world + r]
+    interleaved = [per_rank[r][i] for i in range(4) for r in range(world)]
+    assert interleaved == single
+
+
+def test_resumed_ranks_continue_from_the_same_global_batches():
+    world, start = 2, 3
+    single = take(sampler(n=20, bs=2, seed=4), 10 * world)
+    for r in range(world):
+        resumed = take(sampler(n=20, bs=2, seed=4, rank=r, world=world, start=start), 4)
+        assert resumed == [single[(start + i) * world + r] for i in range(4)]
+
+
+@pytest.mark.parametrize("n,bs", [(12, 3), (12, 4), (10, 10), (7, 1)])
+def test_each_epoch_covers_every_sample_exactly_once_when_batch_divides_n(n, bs):
+    per_epoch = n // bs
+    batches = take(sampler(n=n, bs=bs, seed=7), 3 * per_epoch)
+    assert all(len(b) == bs for b in batches)
+    epochs = [batches[e * per_epoch:(e + 1) * per_epoch] for e in range(3)]
+    for ep in epochs:
+        flat = [i for b in ep for i in b]
+        assert sorted(flat) == list(range(n))
+    assert epochs[0] != epochs[1]  # a new permutation each epoch
+
+
+def test_uneven_epoch_drops_the_remainder_and_never_repeats_within_an_epoch():
+    n, bs = 11, 3  # 3 full batches per epoch, 2 samples left out
+    batches = take(sampler(n=n, bs=bs, seed=8), 9)
+    for e in range(3):
+        flat = [i for b in batches[e * 3:(e + 1) * 3] for i in b]
+        assert len(flat) == 9 and len(set(flat)) == 9
+        assert set(flat) <= set(range(n))
+
+
+def test_batch_size_larger_than_the_data_gives_the_whole_data_each_batch():
+    batches = take(sampler(n=5, bs=8, seed=0), 3)
+    for b in batches:
+        assert sorted(b) == [0, 1, 2, 3, 4]
+
+
+def test_iteration_stops_at_total_local_steps():
+    assert len(take(sampler(total=5), 100)) == 5
+    assert take(sampler(total=5, start=3), 100) == take(sampler(total=5), 100)[3:]
+    assert take(sampler(total=5, start=5), 100) == []
+    assert len(sampler(total=5)) == 5
+
+
+def test_batch_indices_are_plain_ints_in_range():
+    for b in take(sampler(n=9, bs=4, seed=1), 6):
+        assert all(type(i) is int and 0 <= i < 9 for i in b)
+
+
+# --------------------------------------------------------------------------------------
+# collate
+# --------------------------------------------------------------------------------------
+
+def sample(n: int, base: int, h: int = 2):
+    ids = torch.arange(base, base + n, dtype=torch.long)
+    return {"input_ids": ids,
+            "loss_mask": torch.ones(n, dtype=torch.uint8),
+            "aux_hidden": (ids[:, None] + torch.arange(3 * h)[None] / 10 + 1).float(),
+            "last_hidden": (ids[:, None] * 2 + torch.arange(h)[None] + 1).float()}
+
+
+def test_collate_right_pads_with_zeros_to_the_longest_sample():
+    samples = [sample(3, 1), sample(5, 20), sample(1, 40)]
+    out = collate(samples)
+    assert out["lengths"].tolist() == [3, 5, 1]
+    assert out["input_ids"].shape == (3, 5)
+    assert out["aux_hidden"].shape == (3, 5, 6) and out["last_hidden"].shape == (3, 5, 2)
+    for i, s in enumerate(samples):
+        n = len(s["input_ids"])
+        for key in ("input_ids", "loss_mask", "aux_hidden", "last_hidden"):
+            assert torch.equal(out[key][i, :n], s[key]), key
+            assert not out[key][i, n:].any(), key
+    assert out["input_ids"].tolist() == [[1, 2, 3, 0, 0], [20, 21, 22, 23, 24], [40, 0, 0, 0, 0]]
+    assert out["loss_mask"].tolist() == [[1, 1, 1, 0, 0], [1] * 5, [1, 0, 0, 0, 0]]
+
+
+def test_collate_keeps_each_fields_dtype():
+    s = sample(2, 1)
+    s["aux_hidden"] = s["aux_hidden"].bfloat16()
+    out = collate([s, sample(4, 5) | {"aux_hidden": sample(4, 5)["aux_hidden"].bfloat16()}])
+    assert out["input_ids"].dtype == torch.long
+    assert out["loss_mask"].dtype == torch.uint8
+    assert out["aux_hidden"].dtype == torch.bfloat16
+    assert out["last_hidden"].dtype == torch.float32
+
+
+def test_collate_keeps_a_samples_own_loss_mask_zeros():
+    s = sample(4, 1)
+    s["loss_mask"] = torch.tensor([0, 1, 0, 1], dtype=torch.uint8)
+    out = collate([s, sample(6, 10)])
+    assert out["loss_mask"][0].tolist() == [0, 1, 0, 1, 0, 0]
+
+
+def test_collate_of_equal_lengths_only_stacks():
+    samples = [sample(3, 1), sample(3, 7)]
+    out = collate(samples)
+    for key in ("input_ids", "loss_mask", "aux_hidden", "last_hidden"):
+        assert torch.equal(out[key], torch.stack([s[key] for s in samples]))
+    assert out["lengths"].tolist() == [3, 3]
