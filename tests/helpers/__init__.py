@@ -101,3 +101,16 @@ def plan_for(overrides: Sequence[str], run_dir: Optional[Path] = None):
 
     settings = settings_for(overrides)
     return settings, start(settings, run_dir)
+
+
+def prepared_store(root: Path, cache_dir: Path) -> Path:
+    """An artifact store under `root` holding the default prepared data, built in-process;
+    returns the prepared folder (tests copy the store to protect it)."""
+    from eagle3x.data import prepared
+
+    with environment(root, {"EAGLE3X_ARTIFACTS": str(root / "artifacts"),
+                            "EAGLE3X_CACHE": str(cache_dir)}):
+        _, plan = plan_for(["stage=prepare"])
+        outcome = prepared.build(plan)
+    assert outcome.status == "built"
+    return outcome.path

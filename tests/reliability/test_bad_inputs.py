@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import environment, messages_record, plan_for, write_jsonl
+from tests import helpers
+from tests.helpers import messages_record, write_jsonl
 
 GOOD = json.dumps(messages_record(("user", "hi"), ("assistant", "hello")))
 
@@ -107,13 +108,8 @@ CASES = [
 @pytest.fixture(scope="module")
 def prepared_store(tmp_path_factory, tiny_verifier, cache_dir):
     """A store holding real prepared data, made once (in-process); each case gets a copy."""
-    from eagle3x.data import prepared
-
     root = tmp_path_factory.mktemp("prepared-store")
-    with environment(root, {"EAGLE3X_ARTIFACTS": str(root / "artifacts"),
-                            "EAGLE3X_CACHE": str(cache_dir)}):
-        _, plan = plan_for(["stage=prepare"])
-        assert prepared.build(plan).status == "built"
+    helpers.prepared_store(root, cache_dir)
     return root / "artifacts"
 
 

@@ -15,7 +15,8 @@ import torch
 
 from eagle3x.artifacts import ArtifactError
 from eagle3x.data.shards import ShardReader
-from tests.helpers import environment, plan_for
+from tests import helpers
+from tests.helpers import plan_for
 
 KEYS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
 
@@ -37,13 +38,8 @@ def manifest(folder: Path) -> dict:
 @pytest.fixture(scope="module")
 def prepared_store(tmp_path_factory, tiny_verifier, cache_dir):
     """The default prepared data, made once in-process for this module."""
-    from eagle3x.data import prepared as prepared_data
-
     root = tmp_path_factory.mktemp("prepared-store")
-    with environment(root, {"EAGLE3X_ARTIFACTS": str(root / "artifacts"),
-                            "EAGLE3X_CACHE": str(cache_dir)}):
-        _, plan = plan_for(["stage=prepare"])
-        folder = prepared_data.build(plan).path
+    folder = helpers.prepared_store(root, cache_dir)
     return root / "artifacts", folder.relative_to(root / "artifacts")
 
 
