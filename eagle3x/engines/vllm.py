@@ -93,7 +93,9 @@ class VLLMEngine:
                 raise RuntimeError(f"vLLM returned hidden states for other tokens ({path})")
             t, _, h = hs.shape
             aux = hs[:, : self.n_aux].reshape(t, self.n_aux * h)
-            last = rms_norm(hs[:, self.n_aux], self.norm_weight, self.eps)
+            # The final norm in float32 (normalise and scale), stored in vLLM's dtype.
+            last = rms_norm(hs[:, self.n_aux].float(), self.norm_weight.float(),
+                            self.eps).to(hs.dtype)
             results.append((aux, last))
         return results
 
