@@ -221,3 +221,11 @@ def test_holdout_plus_training_samples_must_fit_the_data(cli, tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [messages_record(("user", "q"), ("assistant", "a"))] * 10)
     refused(cli("stage=extract", f"data.path={path}", "data.holdout_samples=10"),
             "asks for 10 held-out + 1 training samples", "holds 10")
+
+
+def test_the_real_process_gives_the_in_process_report(cli, real_cli):
+    """The `cli` fixture answers refusals in-process; the real command must say the same."""
+    argv = ["stage=extract", "extract.data_path=/x", "extract.batch_size=0"]
+    fast, real = cli(*argv), real_cli(*argv)
+    assert real.returncode == fast.returncode == 2
+    assert real.stderr == fast.stderr and "Traceback" not in real.stderr
