@@ -6,7 +6,7 @@ The prompts are the first user turn (with any system turn before it) of the held
 conversations: the first `data.holdout_samples` of the `data.seed` order, which no run on
 this data trains on. Each is rendered with the verifier's chat template and a generation
 prompt; vLLM decodes it greedily with and without the draft (`eagle3x.draft.vllm_check`).
-Prints one json line: identical outputs, vLLM's counters and the mean accepted length
+Prints one json line on stdout (vLLM's log goes to stderr): identical outputs, vLLM's counters and the mean accepted length
 (1 + accepted / drafts). The overrides are the run's (they locate verifier and data).
 """
 
@@ -50,10 +50,11 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=48)
     known, overrides = p.parse_known_args()
-    from eagle3x.draft.vllm_check import check
+    from eagle3x.draft.vllm_check import check, stdout_to_stderr
 
-    verifier, prompts = held_out_prompts(overrides, known.prompts)
-    res = check(verifier, known.draft, prompts, k=known.k, max_tokens=known.max_tokens)
+    with stdout_to_stderr():
+        verifier, prompts = held_out_prompts(overrides, known.prompts)
+        res = check(verifier, known.draft, prompts, k=known.k, max_tokens=known.max_tokens)
     out = {"prompts": len(prompts), "k": known.k, "identical": res["identical"],
            "mean_accepted_length": res["mean_accepted_length"], "counters": res["counters"]}
     sys.stdout.write(json.dumps(out) + "\n")

@@ -49,8 +49,35 @@ def read_info(path: str | Path) -> VerifierInfo:
 
 
 def default_aux_layers(num_layers: int) -> List[int]:
-    """Low / middle / high decoder layers, as EAGLE-3 trainers choose them."""
-    return [1, max(num_layers // 2 - 1, 0), max(num_layers - 4, 0)]
+    """Low / middle / high decoder layers, as EAGLE-3 trainers choose them: [1, N//2-1, N-4],
+    moved up where they would collide, so the three are distinct for every N >= 4
+    (N=6 gives [1, 2, 3], not [1, 2, 2]; N >= 8 is unchanged). Fewer than 3 layers: all."""
+    if num_layers < 4:
+        return list(range(min(num_layers, 3)))
+    low = 1
+    mid = max(num_layers // 2 - 1, low + 1)
+    high = min(max(num_layers - 4, mid + 1), num_layers - 1)
+    return [low, mid, high]
+
+
+def aux_layer_problem(ids: Sequence[int], num_layers: int) -> Optional[str]:
+    """Why `ids` cannot be the aux layers of a verifier with `num_layers` layers, or None.
+
+    They must be three distinct layers in increasing order: the HF engine stores them in the
+    given order, while vLLM captures (and SGLang and vLLM's drafts concatenate) in ascending
+    layer order, so any other order or a repeat trains on features the server never feeds.
+    """
+    ids = list(ids)
+    out = [i for i in ids if not 0 <= i < num_layers]
+    if out:
+        return (f"layer ids {out} are out of range: the verifier has {num_layers} layers "
+                f"(ids 0..{num_layers - 1}).")
+    if len(ids) != 3:
+        return f"need three layers; the verifier has {num_layers}."
+    if any(b <= a for a, b in zip(ids, ids[1:])):
+        return ("must be three distinct layers in increasing order: vLLM and SGLang feed the "
+                "draft the captured layers in ascending order.")
+    return None
 
 
 def aux_layers(cfg_ids: Optional[Sequence[int]], num_layers: int) -> List[int]:

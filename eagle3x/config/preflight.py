@@ -157,16 +157,13 @@ def preflight(cfg: Eagle3xConfig, runs: Sequence[str], checks: Sequence[Check],
 
     aux_ok = True
     if info:
-        from eagle3x.verifier import aux_layers
+        from eagle3x.verifier import aux_layer_problem, aux_layers
 
         ids = aux_layers(cfg.extract.aux_layer_ids, info.num_layers)
-        bad = [i for i in ids if not 0 <= i < info.num_layers]
-        if bad:
+        why = aux_layer_problem(ids, info.num_layers)
+        if why:
             aux_ok = False
-            problems.append(Problem("extract.aux_layer_ids",
-                                    f"layer ids {bad} are out of range: the verifier has "
-                                    f"{info.num_layers} layers (ids 0..{info.num_layers - 1}).",
-                                    value=str(ids)))
+            problems.append(Problem("extract.aux_layer_ids", why, value=str(ids)))
         if cfg.vocab.draft_vocab_size > info.vocab_size:
             problems.append(Problem("vocab.draft_vocab_size",
                                     f"larger than the verifier's vocabulary ({info.vocab_size}).",

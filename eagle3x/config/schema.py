@@ -145,8 +145,9 @@ class ExtractConfig:
     output_dir: Optional[str] = None
     # Decoder layers whose outputs feed the draft; default [1, N//2-1, N-4].
     aux_layer_ids: Optional[List[int]] = checked(
-        None, lambda v: v is None or (len(v) == 3 and min(v) >= 0),
-        "must be three layer ids >= 0 (low, middle, high), or null for the default")
+        None, lambda v: v is None or (len(v) == 3 and min(v) >= 0 and v[0] < v[1] < v[2]),
+        "must be three layer ids >= 0 in increasing order, no repeats (low, middle, high), "
+        "or null for the default")
     # Extract at least this many samples (a `-m` sweep over data.num_samples sets it to
     # its largest value, so one job builds the hidden states every job reads a prefix of).
     min_samples: Optional[int] = None

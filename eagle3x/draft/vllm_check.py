@@ -3,16 +3,34 @@
     python -m eagle3x.draft.vllm_check --verifier VERIFIER_DIR --draft DRAFT_DIR [--k 3]
 
 Decodes the same prompts greedily with and without EAGLE-3 speculation, prints one json
-object: whether the outputs are identical (they must be: speculation never changes
-greedy output), and vLLM's own draft / acceptance counters.
+object on stdout (and nothing else: vLLM's own log goes to stderr): whether the outputs are
+identical (they must be: speculation never changes greedy output), and vLLM's own draft /
+acceptance counters.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, Iterator, List, Sequence
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Send everything written to stdout (file descriptor 1, so vLLM's engine processes
+    too) to stderr for the duration, so the caller's stdout carries only its result."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _counters(llm: Any) -> Dict[str, float]:
@@ -82,8 +100,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         texts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                          add_generation_prompt=True) for q in questions]
         prompts = [tok(t, add_special_tokens=False).input_ids for t in texts]
-    json.dump(check(args.verifier, args.draft, prompts, args.k, args.max_tokens, args.memory),
-              sys.stdout)
+    with stdout_to_stderr():
+        result = check(args.verifier, args.draft, prompts, args.k, args.max_tokens, args.memory)
+    json.dump(result, sys.stdout)
     sys.stdout.write("\n")
 
 

@@ -229,3 +229,8 @@ def test_the_real_process_gives_the_in_process_report(cli, real_cli):
     fast, real = cli(*argv), real_cli(*argv)
     assert real.returncode == fast.returncode == 2
     assert real.stderr == fast.stderr and "Traceback" not in real.stderr
+
+
+@pytest.mark.parametrize("ids", ["[5,1,3]", "[1,2,2]"])
+def test_aux_layers_out_of_order_or_repeated_are_refused(cli, ids):
+    refused(cli("stage=extract", f"extract.aux_layer_ids={ids}"), "increasing order, no repeats")
