@@ -38,8 +38,8 @@ def validate(argv: Sequence[str]) -> List[Problem]:
             if not found and not inspect_only:
                 settings = typed(cfg)
                 stages = stages_for(settings.stage)
-                found += preflight(settings, [s.name for s in stages],
-                                   [c for s in stages for c in s.checks], job)
+                checks = list(dict.fromkeys(c for s in stages for c in s.checks))
+                found += preflight(settings, [s.name for s in stages], checks, job)
         for p in found:
             if len(jobs) > 1 and p.where != "command line":
                 p.where = "sweep job: " + " ".join(job)
@@ -60,7 +60,14 @@ def show_plans(argv: Sequence[str]) -> str:
 
     args = get_args_parser().parse_args(list(argv))
     jobs, _ = expand_jobs(args.overrides, args.multirun)
-    plans = [resolve(typed(compose_checked(job)[0])).describe() for job in jobs]
+    extra = shared_extraction(argv)
+    plans = []
+    for job in jobs:
+        settings = typed(compose_checked([*job, *extra])[0])
+        plan = resolve(settings).describe()
+        if not settings.train.output_dir:
+            plan["run_dir"] = "the Hydra job folder (hydra.run.dir / hydra.sweep.dir)"
+        plans.append(plan)
     return json.dumps(plans[0] if len(plans) == 1 else plans, indent=2) + "\n"
 
 

@@ -101,6 +101,8 @@ def read_manifest(folder: str | Path) -> Dict[str, Any]:
         raise ArtifactError(f"{path}: no manifest; this folder is not a finished eagle3x artifact")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ArtifactError(f"{path}: not valid json ({exc})")
+    except OSError as exc:
+        raise ArtifactError(f"{path}: cannot be read ({exc.strerror or exc})")
     if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
         raise ArtifactError(f"{path}: unknown manifest schema (expected version {SCHEMA_VERSION})")
     return data

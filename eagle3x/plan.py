@@ -30,7 +30,11 @@ from eagle3x.verifier import VerifierInfo
 
 
 class PlanError(artifacts.ArtifactError):
-    """The plan cannot be resolved (an input is missing); the message names the key."""
+    """The plan cannot be resolved (an input is missing); `key` is the setting to fix."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(message)
 
 
 def _abs(p: str | Path) -> Path:
@@ -236,10 +240,12 @@ def resolve(cfg: Eagle3xConfig, run_dir: Optional[Path] = None,
         if explicit:
             return ArtifactRef(kind, _abs(explicit), fp, True)
         if fp is None:
-            raise PlanError(f"{key}: cannot place the {kind} artifact: {data} cannot be read "
-                            "(data.path)")
+            raise PlanError(key, f"no folder for the {kind} artifact: the prepared data at "
+                                 f"{prepared_dir} does not exist and {data} (data.path) cannot "
+                                 f"be read to make it; set {key}")
         return ArtifactRef(kind, store / kind / fp, fp, False)
 
+    prepared_dir = cfg.extract.prepared_data or cfg.prepare.output_dir or store / "prepared"
     prepared = place("prepared", cfg.extract.prepared_data or cfg.prepare.output_dir,
                      prepared_fp, "prepare.output_dir")
     # Later artifacts are keyed by the prepared data actually there (an explicit folder may

@@ -85,7 +85,35 @@ def test_plan_flag_prints_the_plan_and_runs_nothing(cli, store, data):
     assert r.returncode == 0, r.stderr
     shown = json.loads(r.stdout)
     assert shown["hidden"]["fingerprint"] == plan(store, f"data.path={data}").hidden.fingerprint
+    assert "Hydra job folder" in shown["run_dir"]  # not a folder the run would never use
     assert not store.exists()
+
+
+def test_plan_flag_shows_each_sweep_job_with_the_shared_extraction(cli, store, data):
+    r = cli("--plan", "-m", "stage=all", f"data.path={data}", "data.holdout_samples=4",
+            "data.num_samples=5,10")
+    assert r.returncode == 0, r.stderr
+    jobs = json.loads(r.stdout)
+    assert [j["split"]["num_samples"] for j in jobs] == [5, 10]
+    assert [j["split"]["min_samples"] for j in jobs] == [10, 10]
+    assert len({j["hidden"]["folder"] for j in jobs}) == 1 and not store.exists()
+
+
+def test_a_reusable_vocabulary_needs_no_prepared_data(store, tiny_verifier, cache_dir):
+    """stage=vocab (and export, which runs it first) reuse a finished vocabulary even when
+    the prepared data it was counted from is gone."""
+    import shutil
+
+    from eagle3x.__main__ import validate
+    from eagle3x.stages import vocab
+    from tests.helpers import prepared_store
+
+    folder = prepared_store(store.parent, cache_dir)
+    _, p = plan_for(["stage=vocab"])
+    assert vocab.run(p).status == "built"
+    shutil.rmtree(folder)
+    assert validate(["stage=vocab"]) == []
+    assert validate(["stage=vocab", "vocab.draft_vocab_size=100"])  # another vocab: refused
 
 
 def test_resume_is_read_in_one_place(tmp_path):

@@ -173,7 +173,12 @@ def preflight(cfg: Eagle3xConfig, runs: Sequence[str], checks: Sequence[Check],
         try:
             plan = resolve(cfg, info=info)
         except PlanError as exc:
-            problems.append(Problem("data.path", str(exc), value=str(cfg.data.path)))
+            # With prepared_exists to run, the missing prepared data is reported there.
+            if prepared_exists not in checks and vocab_inputs not in checks:
+                problems.append(Problem(exc.key, str(exc)))
+        except OSError as exc:
+            problems.append(Problem("data.path", f"cannot be read: {exc}.",
+                                    value=str(cfg.data.path)))
     world = World(cfg, tuple(runs), tuple(overrides), info, plan, aux_ok)
     for check in checks:
         problems += check(world)
@@ -241,6 +246,13 @@ def prepared_exists(w: World) -> List[Problem]:
     hint = None if named else "make it first:  " + command_for("prepare", w.overrides)
     return [Problem("extract.prepared_data", f"no prepared data at {folder}.", value=None,
                     hint=hint)]
+
+
+def vocab_inputs(w: World) -> List[Problem]:
+    """vocab: the prepared data must exist, unless the vocabulary is already there to reuse."""
+    if w.plan is not None and artifacts.complete_manifest(w.plan.vocab.folder) is not None:
+        return []
+    return prepared_exists(w)
 
 
 def gpus(w: World) -> List[Problem]:

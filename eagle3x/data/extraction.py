@@ -239,8 +239,10 @@ def extract(plan: RunPlan, settings: ExtractConfig, engine_name: str,
 @dataclass(frozen=True)
 class HiddenStates:
     """How to make the hidden states a plan needs: prepare the data if missing, then
-    extract with the configured engine. What ``stage=train`` runs through its stages, and
-    what a datamodule handed one runs in ``prepare_data()``."""
+    extract with the configured engine. ``stage=extract`` opens its engine through it; a
+    datamodule handed one (``HiddenStateDataModule.from_plan(..., engine)``, for library
+    callers and the tests) runs ``make()`` in ``prepare_data()``. ``stage=train`` instead
+    runs the prepare and extract stages before it (pipeline.STAGES)."""
 
     plan: RunPlan
     extract: ExtractConfig

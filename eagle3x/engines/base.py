@@ -41,9 +41,9 @@ def open_engine(settings: "EngineConfig", verifier: "VerifierRef", aux_ids: Sequ
                         verifier.trust_remote_code)
     from eagle3x.engines.vllm import VLLMEngine
 
-    options = {k: getattr(settings, k) for k in (
-        "tensor_parallel_size", "gpu_memory_utilization", "max_num_batched_tokens", "dtype",
-        "enforce_eager", "quantization")}
+    import dataclasses
+
+    options = {k: v for k, v in dataclasses.asdict(settings).items() if k not in ("name", "device")}
     options["trust_remote_code"] = verifier.trust_remote_code
     return VLLMEngine(verifier.path, aux_ids, verifier.info.num_layers, verifier.rms_norm_eps,
                       max_seq_len, options, scratch)

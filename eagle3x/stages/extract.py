@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from eagle3x.artifacts import Outcome
 from eagle3x.config.schema import EngineConfig, ExtractConfig
-from eagle3x.data.extraction import HiddenStates
+from eagle3x.data import extraction
 from eagle3x.plan import RunPlan
 
 
 def run(plan: RunPlan, extract: ExtractConfig, engine: EngineConfig) -> Outcome:
-    return HiddenStates(plan, extract, engine).make(prepare=False)[-1]
+    source = extraction.HiddenStates(plan, extract, engine)
+    return extraction.extract(plan, extract, engine.name.value, source.open_engine)

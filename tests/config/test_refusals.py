@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -234,3 +235,18 @@ def test_the_real_process_gives_the_in_process_report(cli, real_cli):
 @pytest.mark.parametrize("ids", ["[5,1,3]", "[1,2,2]"])
 def test_aux_layers_out_of_order_or_repeated_are_refused(cli, ids):
     refused(cli("stage=extract", f"extract.aux_layer_ids={ids}"), "increasing order, no repeats")
+
+
+def test_eval_refuses_hidden_states_of_other_inputs_at_startup(cli, tmp_path):
+    out = tmp_path / "hidden"
+    out.mkdir()
+    (out / "manifest.json").write_text(json.dumps({"schema_version": 1, "complete": True,
+                                                   "fingerprint": "someone-else", "shards": []}))
+    refused(cli("stage=eval", f"extract.output_dir={out}"), "will not mix them")
+
+
+def test_an_unreadable_manifest_is_a_refusal_not_a_traceback(cli, tmp_path):
+    odd = tmp_path / "prepared"
+    (odd / "manifest.json").mkdir(parents=True)  # a folder where the manifest should be
+    err = refused(cli("stage=vocab", f"extract.prepared_data={odd}"), "no prepared data")
+    assert "Traceback" not in err
