@@ -202,9 +202,6 @@ class Outcome:
     status: str  # "built" | "reused" | "wrote"
     path: Path
 
-    def __str__(self) -> str:
-        return str(self.path)
-
 
 def new_manifest(kind: str, config: Dict[str, Any], fingerprint: str, **extra: Any) -> Dict[str, Any]:
     return {"schema_version": SCHEMA_VERSION, "kind": kind, "fingerprint": fingerprint,

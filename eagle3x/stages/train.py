@@ -20,15 +20,15 @@ from eagle3x import artifacts
 from eagle3x.artifacts import Outcome
 from eagle3x.config.schema import (ExtractConfig, LoggerConfig, LoggerName, TrainConfig,
                                    TrainerConfig)
-from eagle3x.plan import RunPlan
-from eagle3x.verifier import VerifierInfo
+from eagle3x.plan import RunPlan, VerifierRef
 
 log = logging.getLogger("eagle3x")
 
 
-def draft_shape(info: VerifierInfo, draft_vocab: int,
+def draft_shape(verifier: VerifierRef, draft_vocab: int,
                 intermediate_size: Optional[int] = None) -> Dict[str, Any]:
     """The draft's sizes: the verifier's hidden size, heads and rope, one decoder layer."""
+    info = verifier.info
     raw = info.raw
     rope = raw.get("rope_theta") or (raw.get("rope_parameters") or {}).get("rope_theta") or 10000.0
     return dict(
@@ -37,7 +37,7 @@ def draft_shape(info: VerifierInfo, draft_vocab: int,
         num_heads=info.num_heads, num_kv_heads=info.num_kv_heads,
         head_dim=int(raw.get("head_dim") or info.hidden_size // info.num_heads),
         draft_vocab_size=draft_vocab, target_vocab_size=info.vocab_size,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=float(rope),
+        rms_norm_eps=verifier.rms_norm_eps, rope_theta=float(rope),
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)))
 
 
@@ -50,7 +50,7 @@ def build_module(plan: RunPlan, train: TrainConfig, max_steps: int) -> Any:
 
     v = vocab.load(plan.vocab.folder)
     return DraftModule(
-        shape=draft_shape(plan.verifier.info, len(v["d2t"]), train.intermediate_size),
+        shape=draft_shape(plan.verifier, len(v["d2t"]), train.intermediate_size),
         train=dataclasses.asdict(train), verifier=str(plan.verifier.path),
         tied_head=plan.verifier.tied_head, aux_layer_ids=list(plan.aux_layer_ids),
         max_steps=max_steps, d2t=torch.from_numpy(v["d2t"]), t2d=torch.from_numpy(v["t2d"]))
