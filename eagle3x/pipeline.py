@@ -56,8 +56,8 @@ STAGES: Tuple[StageSpec, ...] = (
     StageSpec("train", train.run, sections=("train", "trainer", "logger", "extract"),
               before=("prepare", "extract", "vocab"),
               checks=(preflight.logger_installed, preflight.resume_checkpoint)),
-    StageSpec("eval", evaluate.run, sections=("eval", "train", "extract"),
-              checks=(preflight.foreign_shards,)),
+    StageSpec("eval", evaluate.run, sections=("eval", "train", "extract", "engine"),
+              checks=(preflight.foreign_shards, preflight.live_serving)),
     StageSpec("export", export.run, sections=("train", "trainer"), before=("vocab",),
               in_all=False),
 )

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+from eagle3x.serving import capture_problem
+
 #: Files whose content decides how text becomes token ids.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "chat_template.json", "tokenizer.model")
@@ -50,22 +52,25 @@ def read_info(path: str | Path) -> VerifierInfo:
 
 def default_aux_layers(num_layers: int) -> List[int]:
     """Low / middle / high decoder layers, as EAGLE-3 trainers choose them: [1, N//2-1, N-4],
-    moved up where they would collide, so the three are distinct for every N >= 4
-    (N=6 gives [1, 2, 3], not [1, 2, 2]; N >= 8 is unchanged). Fewer than 3 layers: all."""
+    moved where they would collide or reach the last layer (whose output the serving
+    engines cannot feed the draft), so the three are distinct and servable for every N >= 4:
+    N=4 gives [0, 1, 2], N=6 [1, 2, 3]; N >= 8 is unchanged. Fewer layers: what there is."""
     if num_layers < 4:
         return list(range(min(num_layers, 3)))
-    low = 1
+    low = 1 if num_layers >= 5 else 0
     mid = max(num_layers // 2 - 1, low + 1)
-    high = min(max(num_layers - 4, mid + 1), num_layers - 1)
+    high = min(max(num_layers - 4, mid + 1), num_layers - 2)
     return [low, mid, high]
 
 
-def aux_layer_problem(ids: Sequence[int], num_layers: int) -> Optional[str]:
+def aux_layer_problem(ids: Sequence[int], num_layers: int,
+                      architectures: Sequence[str] = ()) -> Optional[str]:
     """Why `ids` cannot be the aux layers of a verifier with `num_layers` layers, or None.
 
     They must be three distinct layers in increasing order: the HF engine stores them in the
     given order, while vLLM captures (and SGLang and vLLM's drafts concatenate) in ascending
     layer order, so any other order or a repeat trains on features the server never feeds.
+    And both serving engines must be able to capture them (`eagle3x.serving`).
     """
     ids = list(ids)
     out = [i for i in ids if not 0 <= i < num_layers]
@@ -77,7 +82,7 @@ def aux_layer_problem(ids: Sequence[int], num_layers: int) -> Optional[str]:
     if any(b <= a for a, b in zip(ids, ids[1:])):
         return ("must be three distinct layers in increasing order: vLLM and SGLang feed the "
                 "draft the captured layers in ascending order.")
-    return None
+    return capture_problem(ids, num_layers, architectures)
 
 
 def aux_layers(cfg_ids: Optional[Sequence[int]], num_layers: int) -> List[int]:

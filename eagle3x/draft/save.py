@@ -1,29 +1,33 @@
 """Save a trained draft as the folder vLLM's and SGLang's EAGLE-3 loaders read, and load it back.
 
     draft/config.json        LlamaForCausalLMEagle3 config: sizes, heads, rope, vocabularies,
-                             target_hidden_size, eagle_config.eagle_aux_hidden_state_layer_ids
+                             target_hidden_size, the aux layer ids twice (below)
     draft/model.safetensors  fc, midlayer.*, norm, lm_head, d2t, t2d (no embed_tokens unless
                              they were trained: the serving engine shares the verifier's)
 
-vLLM numbers aux layers by the decoder layer whose *input* they are, so eagle3x's layer
-k (the output of decoder layer k) is written as k + 1.
+The aux layer ids are written where each engine reads them, in its numbering
+(`eagle3x.serving`, which cites the engines' sources): top-level
+``eagle_aux_hidden_state_layer_ids`` for vLLM (eagle3x's layer k as k + 1) and nested
+``eagle_config.eagle_aux_hidden_state_layer_ids`` for SGLang (k, which SGLang shifts itself).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Sequence
 
 import torch
 
 from eagle3x import artifacts
+from eagle3x import serving
 from eagle3x.draft.model import DraftShape, Eagle3Draft
 
 WEIGHTS = "model.safetensors"
 
 
-def draft_config(shape: DraftShape, aux_layer_ids: List[int], dtype: torch.dtype) -> Dict[str, Any]:
+def draft_config(shape: DraftShape, aux_layer_ids: List[int], dtype: torch.dtype,
+                 verifier_architectures: Sequence[str] = ()) -> Dict[str, Any]:
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -42,14 +46,18 @@ def draft_config(shape: DraftShape, aux_layer_ids: List[int], dtype: torch.dtype
         "target_hidden_size": shape.target_hidden_size,
         "tie_word_embeddings": False,
         "torch_dtype": str(dtype).replace("torch.", ""),
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [k + 1 for k in aux_layer_ids],
-                         "use_aux_hidden_state": True},
+        "eagle_aux_hidden_state_layer_ids": serving.vllm_ids(aux_layer_ids),
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": serving.sglang_ids(aux_layer_ids,
+                                                                   verifier_architectures),
+            "use_aux_hidden_state": True},
         "eagle3x": {"aux_layer_ids": list(aux_layer_ids), "shape": shape.to_dict()},
     }
 
 
 def save(draft: Eagle3Draft, out: str | Path, aux_layer_ids: List[int],
-           include_embeddings: bool = False, dtype: torch.dtype = torch.bfloat16) -> Path:
+         include_embeddings: bool = False, dtype: torch.dtype = torch.bfloat16,
+         verifier_architectures: Sequence[str] = ()) -> Path:
     """Write config.json + model.safetensors atomically into `out`."""
     from safetensors.torch import save_file
 
@@ -63,7 +71,8 @@ def save(draft: Eagle3Draft, out: str | Path, aux_layer_ids: List[int],
     with artifacts.building(out) as tmp:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         with open(tmp / "config.json", "w") as f:
-            json.dump(draft_config(draft.shape, aux_layer_ids, dtype), f, indent=2)
+            json.dump(draft_config(draft.shape, aux_layer_ids, dtype, verifier_architectures), f,
+                      indent=2)
     return out
 
 

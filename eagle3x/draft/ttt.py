@@ -11,7 +11,7 @@ target id) with the verifier's greedy token over its full vocabulary.
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -85,12 +85,18 @@ def expected_accept_length(accs: List[torch.Tensor]) -> torch.Tensor:
 
 @torch.no_grad()
 def chain_acceptance(draft: Eagle3Draft, batch: Dict[str, torch.Tensor], head: torch.Tensor,
-                     depth: int) -> Dict[str, torch.Tensor]:
+                     depth: int, greedy: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
     """Offline greedy acceptance: from every position the draft proposes `depth` tokens in a
     chain (feeding its own proposals); proposals are accepted while each equals the
-    verifier's greedy token. Returns per-position accepted counts and the valid mask."""
-    targets_of_draft = torch.arange(draft.shape.draft_vocab_size, device=head.device) + draft.d2t
-    tgt = verifier_targets(batch["last_hidden"], head, targets_of_draft)
+    verifier's greedy token. Returns per-position accepted counts and the valid mask.
+
+    `greedy` [B, T], the verifier's greedy token after each position, defaults to the argmax
+    of its head over the stored last hidden states; along a sequence that *is* the
+    verifier's greedy continuation, pass the sequence's own next tokens."""
+    if greedy is None:
+        targets_of_draft = (torch.arange(draft.shape.draft_vocab_size, device=head.device)
+                            + draft.d2t)
+        greedy = verifier_targets(batch["last_hidden"], head, targets_of_draft)["greedy"]
     ids, aux = batch["input_ids"], batch["aux_hidden"].to(draft.fc.weight.dtype)
     b, t = ids.shape
     positions = torch.arange(t, device=ids.device).expand(b, t)
@@ -103,6 +109,6 @@ def chain_acceptance(draft: Eagle3Draft, batch: Dict[str, torch.Tensor], head: t
         logits, hidden = draft.step(token, hidden, positions + k, cache)
         token = draft.draft_to_target(logits.argmax(-1))
         in_range = positions + 2 + k < batch["lengths"][:, None]
-        alive = alive & in_range & (token == shift(tgt["greedy"], 1 + k, -1))
+        alive = alive & in_range & (token == shift(greedy, 1 + k, -1))
         accepted += alive.long()
     return {"accepted": accepted, "valid": start}

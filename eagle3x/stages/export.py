@@ -25,5 +25,6 @@ def run(plan: RunPlan, train: TrainConfig, trainer: TrainerConfig) -> Outcome:
     state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
     module.load_state_dict(state, strict=False)
     out = save(module.draft, plan.run_dir / "draft", list(plan.aux_layer_ids),
-               include_embeddings=not train.freeze_embeddings)
+               include_embeddings=not train.freeze_embeddings,
+               verifier_architectures=plan.verifier.info.architectures)
     return Outcome("draft", "built", out)

@@ -106,7 +106,8 @@ def run(plan: RunPlan, train: TrainConfig, trainer: TrainerConfig, logger: Logge
     if fitter.interrupted:
         raise SystemExit(130)
     draft_dir = save(module.draft, out / "draft", list(plan.aux_layer_ids),
-                     include_embeddings=not train.freeze_embeddings)
+                     include_embeddings=not train.freeze_embeddings,
+                     verifier_architectures=plan.verifier.info.architectures)
     metrics = {k: float(v) for k, v in fitter.callback_metrics.items()}
     summary = {"stage": "train", "steps": fitter.global_step, "train_seconds": wall,
                "train_tokens_per_step": dm.mean_tokens_per_batch(),

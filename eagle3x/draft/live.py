@@ -1,0 +1,196 @@
+"""The draft as vLLM serves it: live acceptance, the exact greedy offline estimate, parity.
+
+`ServedDraft` opens vLLM with the exported draft as its EAGLE-3 speculator (and the
+`eagle3x.draft.probe` worker extension), decodes prompts greedily and reads vLLM's own
+speculation counters. Two pure functions put the offline side beside it:
+
+    greedy_rounds   replays greedy speculative decoding from per-position chain acceptance
+                    along the verifier's own greedy continuation: a round proposes `depth`
+                    tokens at position t, accepts a of them, and the next starts at t+a+1.
+                    That is what vLLM counts (a draft per round; accepted tokens are counted
+                    even past max_tokens, ``Scheduler.update_from_output`` in
+                    ``vllm/v1/core/sched/scheduler.py``), so the continuation must reach
+                    `depth` + 1 tokens beyond the served length.
+    parity          compares what vLLM's drafter received and returned on its first two
+                    steps of a prompt (the probe's record) with `Eagle3Draft.step` on the
+                    stored features of the same tokens: the relative error of each.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+def greedy_rounds(accepted: Sequence[int], start: int, served: int) -> Dict[str, Any]:
+    """Rounds of greedy speculative decoding of `served` new tokens.
+
+    `accepted[t]`: how many of the draft's chain from position t the verifier accepts;
+    `start`: the last prompt position (the draft's first round starts there, after the
+    prefill produced one token). Returns drafts, accepted tokens, and how many rounds
+    accepted at least j+1 tokens (vLLM's per-position counter)."""
+    t, made, drafts, total = start, 1, 0, 0
+    per_pos: List[int] = []
+    while made < served:
+        a = int(accepted[t])
+        drafts += 1
+        total += a
+        per_pos.extend([0] * (a - len(per_pos)))
+        for j in range(a):
+            per_pos[j] += 1
+        t += a + 1
+        made += a + 1
+    return {"num_drafts": drafts, "num_accepted_tokens": total, "accepted_per_pos": per_pos}
+
+
+def summarise(num_drafts: float, accepted: float, per_pos: Sequence[float], depth: int) -> Dict[str, Any]:
+    """Mean accepted length (1 + accepted / drafts) and the acceptance rate at each depth
+    (of the rounds that reached depth j, the share accepting token j)."""
+    per_pos = list(per_pos) + [0] * (depth - len(per_pos))
+    reached = [num_drafts] + list(per_pos[: depth - 1])
+    rates = [per_pos[j] / reached[j] if reached[j] else 0.0 for j in range(depth)]
+    return {"drafts": int(num_drafts), "accepted_tokens": int(accepted),
+            "mean_accepted_length": 1.0 + accepted / num_drafts if num_drafts else None,
+            "acceptance_rate_per_depth": rates}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def _target_logits(draft: Any, logits: torch.Tensor) -> torch.Tensor:
+    """Draft-vocabulary logits scattered to the verifier's vocabulary through d2t, -inf
+    elsewhere: what vLLM's ``Eagle3LlamaForCausalLM.compute_logits`` returns."""
+    full = logits.new_full((*logits.shape[:-1], draft.shape.target_vocab_size), float("-inf"))
+    full[..., torch.arange(draft.shape.draft_vocab_size) + draft.d2t] = logits
+    return full
+
+
+def _logits_error(served: torch.Tensor, ours: torch.Tensor) -> float:
+    """Relative error over the finite entries; inf when the finite entries differ (d2t)."""
+    fin = torch.isfinite(served)
+    if not torch.equal(fin, torch.isfinite(ours)):
+        return float("inf")
+    return _rel(served[fin], ours[fin])
+
+
+@torch.no_grad()
+def parity(record: Dict[str, torch.Tensor], draft: Any, aux: torch.Tensor,
+           prompt: Sequence[int], first: int) -> Dict[str, float]:
+    """Relative errors between vLLM's drafter and `draft` on the first two draft steps.
+
+    `record`: the probe's tensors for one request decoded from `prompt` (fc_in_0, ...);
+    `aux` [>= n, 3Ht]: the stored features of prompt + [first]; `first`: the verifier's
+    first generated token. Step 0 runs over the n prompt positions reading the next tokens
+    (prompt[1:] + [first]); step 1 continues the last position with the step-0 proposal.
+    """
+    n = len(prompt)
+    feats = aux[:n].to(draft.fc.weight.dtype)
+    fc_in = record["fc_in_0"][:n]
+    ids0 = record["step_ids_0"][:n].long().tolist()
+    if ids0 != list(prompt[1:]) + [first]:
+        raise ValueError("the probe recorded another request's tokens")
+    hidden = draft.fc(feats[None])
+    positions = torch.arange(n)[None]
+    cache: List = []
+    tokens = torch.tensor([list(prompt[1:]) + [first]])
+    logits0, h0 = draft.step(tokens, hidden, positions, cache)
+    ours0 = _target_logits(draft, logits0[0, -1])
+    proposal = int(ours0.argmax())
+    tokens1 = torch.zeros_like(tokens)
+    tokens1[0, -1] = int(record["logits_0"][-1].argmax())  # vLLM's proposal, as it fed it
+    logits1, _ = draft.step(tokens1, h0, positions + 1, cache)
+    return {
+        "aux_features": _rel(fc_in, feats),
+        "fc": _rel(record["fc_out_0"][:n], hidden[0]),
+        "step0_hidden": _rel(record["step_hidden_0"][:n], h0[0]),
+        "step0_logits": _logits_error(record["logits_0"][-1], ours0),
+        "step1_logits": _logits_error(record["logits_1"][-1],
+                                      _target_logits(draft, logits1[0, -1])),
+        "same_first_proposal": float(proposal == int(record["logits_0"][-1].argmax())),
+    }
+
+
+class ServedDraft:
+    """vLLM with `draft` as its EAGLE-3 speculator (greedy), with the draft probe loaded."""
+
+    def __init__(self, verifier: Path, draft: Path, depth: int, settings: Dict[str, Any],
+                 max_model_len: int):
+        from vllm import LLM
+
+        kw = dict(model=str(verifier), dtype=settings.get("dtype", "auto"),
+                  tensor_parallel_size=settings.get("tensor_parallel_size", 1),
+                  quantization=settings.get("quantization"),
+                  trust_remote_code=settings.get("trust_remote_code", False),
+                  enforce_eager=True,  # the probe's hooks need eager modules
+                  gpu_memory_utilization=settings.get("gpu_memory_utilization", 0.85),
+                  max_model_len=max_model_len, disable_log_stats=False,
+                  worker_extension_cls="eagle3x.draft.probe.DraftProbe",
+                  speculative_config={"method": "eagle3", "model": str(draft),
+                                      "num_speculative_tokens": depth})
+        self.depth = depth
+        self.llm = LLM(**{k: v for k, v in kw.items() if v is not None})
+        self.llm.collective_rpc("eagle3x_probe_install")
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> List[List[int]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(map(int, p)))
+                                  for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def counters(self) -> Dict[str, Any]:
+        """vLLM's cumulative speculation counters (drafts, draft tokens, accepted, per pos)."""
+        out: Dict[str, Any] = {k: 0.0 for k in COUNTERS}
+        out["accepted_per_pos"] = [0] * self.depth
+        for m in self.llm.get_metrics():
+            name = m.name.split(":")[-1].replace("spec_decode_", "")
+            if name in COUNTERS and hasattr(m, "value"):
+                out[name] = float(m.value)
+            elif name == "num_accepted_tokens_per_pos" and hasattr(m, "values"):
+                out["accepted_per_pos"] = list(m.values)
+        return out
+
+    def record_first_steps(self, prompt: Sequence[int], path: Path) -> Dict[str, torch.Tensor]:
+        """Decode `prompt` alone with the probe armed; what the drafter saw and returned."""
+        from safetensors.torch import load_file
+
+        self.llm.collective_rpc("eagle3x_probe_arm", args=(True,))
+        out = self.generate([prompt], 2)
+        self.llm.collective_rpc("eagle3x_probe_take", args=(str(path),))
+        record = load_file(str(path))
+        record["first"] = torch.tensor(out[0][:1])
+        return record
+
+    def close(self) -> None:
+        engine = getattr(getattr(self, "llm", None), "llm_engine", None)
+        shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+        self.llm = None
+        gc.collect()
+
+
+def served_counts(before: Dict[str, Any], after: Dict[str, Any], depth: int) -> Dict[str, Any]:
+    """vLLM's counters between two readings, summarised like the offline estimate."""
+    per_pos = [a - b for a, b in zip(after["accepted_per_pos"],
+                                     before["accepted_per_pos"] + [0] * depth)]
+    drafts = after["num_drafts"] - before["num_drafts"]
+    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    return summarise(drafts, accepted, per_pos, depth)
+
+
+def first_trained(mask: Sequence[int]) -> Optional[int]:
+    """Index of the first trained token (the end of the first prompt), or None."""
+    for i, m in enumerate(mask):
+        if m:
+            return i
+    return None
