@@ -16,12 +16,13 @@ from typing import List, Optional, Sequence
 from eagle3x.config.problems import EXIT_REFUSED, Problem, format_report
 
 
-def validate(argv: Sequence[str]) -> List[Problem]:
-    """Every problem with this command line, across all jobs it would start."""
+def validate(argv: Sequence[str], notes: Optional[List[str]] = None) -> List[Problem]:
+    """Every problem with this command line, across all jobs it would start; what a valid
+    run should still be told before it starts is appended to `notes`."""
     from hydra._internal.utils import get_args_parser
 
     from eagle3x.config.compose import compose_checked, expand_jobs, typed
-    from eagle3x.config.preflight import preflight
+    from eagle3x.config.preflight import notices, preflight
     from eagle3x.config.rules import check_values
     from eagle3x.pipeline import stages_for
 
@@ -40,6 +41,9 @@ def validate(argv: Sequence[str]) -> List[Problem]:
                 stages = stages_for(settings.stage)
                 checks = list(dict.fromkeys(c for s in stages for c in s.checks))
                 found += preflight(settings, [s.name for s in stages], checks, job)
+                if notes is not None:
+                    notes += [n for n in notices(settings, [s.name for s in stages])
+                              if n not in notes]
         for p in found:
             if len(jobs) > 1 and p.where != "command line":
                 p.where = "sweep job: " + " ".join(job)
@@ -109,10 +113,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     wants_plan = "--plan" in argv
     argv = [a for a in argv if a != "--plan"]
-    problems = validate(argv)
+    notes: List[str] = []
+    problems = validate(argv, notes)
     if problems:
         sys.stderr.write(format_report(problems))
         sys.exit(EXIT_REFUSED)
+    for note in notes:
+        sys.stderr.write(f"eagle3x: note: {note}\n")
     if wants_plan:
         sys.stdout.write(show_plans(argv))
         return

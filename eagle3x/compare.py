@@ -6,7 +6,7 @@
 
 Rows are sorted by the swept keys (the overrides that differ between jobs). Columns: the
 swept values, train samples and tokens, val acc_0, expected and measured accepted
-length, wall time. Writes compare.csv and compare.png (accepted length and acc_0 against
+length (offline, and vLLM's own with `eval.live`), wall time. Writes compare.csv and compare.png (accepted length and acc_0 against
 the swept value) next to the inputs, or under --out; with --log-wandb the table and plot
 also go to W&B (a `wandb.Table` and an image in a run of job type `compare`).
 """
@@ -45,6 +45,7 @@ def rows_from_folder(folder: Path) -> List[Dict[str, Any]]:
                      "acc_0": (s.get("acc") or {}).get("acc_0"),
                      "val_accept_len": s.get("val_accept_len"),
                      "eval_accepted_length": s.get("eval_accepted_length"),
+                     "live_accepted_length": s.get("live_accepted_length"),
                      "seconds": round(sum((s.get("stage_seconds") or {}).values()), 1),
                      "hidden": (s.get("artifacts") or {}).get("hidden", {}).get("status")})
     return rows
@@ -56,6 +57,7 @@ def _row_from_run(run: Dict[str, Any], name: str) -> Dict[str, Any]:
             "train_samples": (config.get("data") or {}).get("num_samples"), "train_tokens": None,
             "acc_0": summary.get("val/acc_0"), "val_accept_len": summary.get("val/accept_len"),
             "eval_accepted_length": summary.get("eval/mean_accepted_length"),
+            "live_accepted_length": summary.get("eval/live_mean_accepted_length"),
             "seconds": summary.get("_runtime"), "hidden": None}
 
 
@@ -120,7 +122,8 @@ def plot(rows: List[Dict[str, Any]], x: str, path: Path) -> Path:
 
     xs = [r[x] for r in rows]
     fig, ax1 = plt.subplots(figsize=(6, 4))
-    for key, style in (("eval_accepted_length", "o-"), ("val_accept_len", "s--")):
+    for key, style in (("eval_accepted_length", "o-"), ("live_accepted_length", "D-"),
+                       ("val_accept_len", "s--")):
         ys = [r[key] for r in rows]
         if any(y is not None for y in ys):
             ax1.plot(xs, [float("nan") if y is None else y for y in ys], style, label=key)
@@ -159,7 +162,7 @@ def log_to_wandb(rows: List[Dict[str, Any]], image: Path, group: str, project: s
 
 def swept_keys_from(rows: List[Dict[str, Any]]) -> Optional[str]:
     fixed = {"job", "train_samples", "train_tokens", "acc_0", "val_accept_len",
-             "eval_accepted_length", "seconds", "hidden"}
+             "eval_accepted_length", "live_accepted_length", "seconds", "hidden"}
     keys = [k for k in rows[0] if k not in fixed]
     return keys[0] if keys else None
 

@@ -317,6 +317,18 @@ def resume_checkpoint(w: World) -> List[Problem]:
     return []
 
 
+def notices(cfg: Eagle3xConfig, runs: Sequence[str]) -> List[str]:
+    """What a valid run should know before it starts (printed, never refused)."""
+    out = []
+    if not cfg.train.freeze_embeddings and ({"train", "export"} & set(runs)):
+        out.append("train.freeze_embeddings=false: the export carries the trained embeddings. "
+                   "vLLM serves them, but SGLang replaces a draft's embeddings with the "
+                   "verifier's whenever their hidden sizes match (EAGLEWorkerV2.init_lm_head -> "
+                   "set_embed), so under SGLang this draft runs with embeddings it was not "
+                   "trained with.")
+    return out
+
+
 def estimate_tokens(cfg: Eagle3xConfig, plan: RunPlan) -> Tuple[int, str]:
     """Tokens extraction will store, and how the figure was obtained."""
     m = artifacts.complete_manifest(plan.prepared.folder)

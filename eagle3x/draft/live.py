@@ -137,6 +137,8 @@ class ServedDraft:
         self.depth = depth
         self.llm = LLM(**{k: v for k, v in kw.items() if v is not None})
         self.llm.collective_rpc("eagle3x_probe_install")
+        model_config = getattr(self.llm.llm_engine, "model_config", None)
+        self.dtype = str(getattr(model_config, "dtype", settings.get("dtype"))).replace("torch.", "")
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> List[List[int]]:
         from vllm import SamplingParams
@@ -161,13 +163,15 @@ class ServedDraft:
 
     def record_first_steps(self, prompt: Sequence[int], path: Path) -> Dict[str, torch.Tensor]:
         """Decode `prompt` alone with the probe armed; what the drafter saw and returned."""
-        from safetensors.torch import load_file
+        from safetensors.torch import load_file, save_file
 
         self.llm.collective_rpc("eagle3x_probe_arm", args=(True,))
         out = self.generate([prompt], 2)
         self.llm.collective_rpc("eagle3x_probe_take", args=(str(path),))
         record = load_file(str(path))
+        record["prompt"] = torch.tensor(list(map(int, prompt)))
         record["first"] = torch.tensor(out[0][:1])
+        save_file(record, str(path))  # self-describing: the request's tokens beside the record
         return record
 
     def close(self) -> None:

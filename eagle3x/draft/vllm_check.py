@@ -33,50 +33,38 @@ def stdout_to_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-def _counters(llm: Any) -> Dict[str, float]:
-    out: Dict[str, float] = {}
-    try:
-        for m in llm.get_metrics():
-            if "spec_decode" in m.name and hasattr(m, "value"):
-                out[m.name.split(":")[-1]] = float(m.value)
-    except Exception:
-        pass
-    return out
-
-
-def _generate(llm: Any, prompts: Sequence[List[int]], max_tokens: int) -> List[List[int]]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-                        SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
 def check(verifier: str, draft: str, prompts: Sequence[List[int]], k: int = 3,
           max_tokens: int = 32, memory: float = 0.3, dtype: str = "float32") -> Dict[str, Any]:
     """Greedy outputs with and without the draft, and vLLM's speculation counters."""
     import gc
+    from pathlib import Path
 
-    from vllm import LLM
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
-    common = dict(model=verifier, dtype=dtype, max_model_len=1024, enforce_eager=True,
-                  gpu_memory_utilization=memory, disable_log_stats=False)
-    base = LLM(**common)
-    plain = _generate(base, prompts, max_tokens)
+    from eagle3x.draft.live import ServedDraft, served_counts
+
+    longest = max(map(len, prompts)) + max_tokens + k + 2
+    base = LLM(model=verifier, dtype=dtype, max_model_len=longest, enforce_eager=True,
+               gpu_memory_utilization=memory)
+    outs = base.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                         SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                         use_tqdm=False)
+    plain = [list(o.outputs[0].token_ids) for o in outs]
     base.llm_engine.engine_core.shutdown()
     del base
     gc.collect()
-    spec = LLM(**common, speculative_config={"method": "eagle3", "model": draft,
-                                             "num_speculative_tokens": k})
-    drafted = _generate(spec, prompts, max_tokens)
-    counters = _counters(spec)
-    spec.llm_engine.engine_core.shutdown()
-    drafts = counters.get("spec_decode_num_drafts", 0.0)
-    accepted = counters.get("spec_decode_num_accepted_tokens", 0.0)
+    served = ServedDraft(Path(verifier), Path(draft), k,
+                         {"dtype": dtype, "gpu_memory_utilization": memory}, longest)
+    try:
+        before = served.counters()
+        drafted = served.generate(prompts, max_tokens)
+        after = served.counters()
+    finally:
+        served.close()
+    counts = served_counts(before, after, k)
     return {"identical": plain == drafted, "plain": plain, "speculative": drafted,
-            "counters": counters,
-            "mean_accepted_length": (1 + accepted / drafts) if drafts else None}
+            "counters": counts, "mean_accepted_length": counts["mean_accepted_length"]}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

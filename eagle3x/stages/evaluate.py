@@ -92,6 +92,7 @@ def live(plan: RunPlan, settings: EvalConfig, extract: ExtractConfig, engine: En
     log.info("eval: serving %s with vLLM on %d held-out prompts (%d new tokens, %d speculative)",
              draft_dir, len(prompts), m, depth)
     served = ServedDraft(plan.verifier.path, draft_dir, depth, options, longest)
+    dtype = served.dtype
     try:
         before = served.counters()
         made = served.generate(prompts, m)
@@ -143,7 +144,7 @@ def live(plan: RunPlan, settings: EvalConfig, extract: ExtractConfig, engine: En
             "speculative_paths_consistent": consistent,
             "verifier_agreement": agree / max(total, 1), "parity": errors,
             "parity_max_rel_error": max(v for k, v in errors.items() if k != "same_first_proposal"),
-            "dtype": engine.dtype}
+            "served_dtype": dtype}
 
 
 def run(plan: RunPlan, eval: EvalConfig, train: TrainConfig, extract: ExtractConfig,
@@ -177,12 +178,12 @@ def run(plan: RunPlan, eval: EvalConfig, train: TrainConfig, extract: ExtractCon
         lv = report["live"]
         log.info("eval live (vLLM, %d prompts): mean accepted length %.3f served, %.3f exact "
                  "offline replay (%+.1f%%); %.3f from every position of the same paths; "
-                 "parity with the trained draft: max relative error %.1e",
+                 "parity with the trained draft: max relative error %.1e (vLLM in %s)",
                  lv["prompts"], lv["served"]["mean_accepted_length"] or 0,
                  lv["greedy_offline"]["mean_accepted_length"] or 0,
                  100 * (lv["offline_vs_served"] or 0),
                  lv["greedy_offline"]["all_positions_mean_accepted_length"],
-                 lv["parity_max_rel_error"])
+                 lv["parity_max_rel_error"], lv["served_dtype"])
     return Outcome("eval", "wrote", out / "eval.json")
 
 

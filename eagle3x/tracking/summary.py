@@ -2,7 +2,8 @@
 
 Written into the job's folder (the Hydra run dir, or train.output_dir) after the stages:
 the overrides, data size, per-stage wall time, each artifact built or reused, training
-tokens and final per-step accuracies, and the eval acceptance. `eagle3x.compare` reads it.
+tokens and final per-step accuracies, and the eval acceptance (offline, and live in vLLM
+with `eval.live`). `eagle3x.compare` reads it.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def write(plan: RunPlan, outcomes: Sequence[Outcome], stage_seconds: Dict[str, f
     out.mkdir(parents=True, exist_ok=True)
     train = _read(out / "train_summary.json")
     evaluation = _read(out / "eval.json")
+    live = evaluation.get("live") or {}
     metrics = train.get("metrics", {})
     summary = {
         "overrides": overrides(),
@@ -50,6 +52,11 @@ def write(plan: RunPlan, outcomes: Sequence[Outcome], stage_seconds: Dict[str, f
         "val_accept_len": metrics.get("val/accept_len"),
         "eval_accepted_length": evaluation.get("mean_accepted_length"),
         "eval_acceptance_per_depth": evaluation.get("acceptance_rate_per_depth"),
+        # eval.live: vLLM's own figure, the exact offline replay of it, and draft parity
+        "live_accepted_length": live.get("served", {}).get("mean_accepted_length"),
+        "live_acceptance_per_depth": live.get("served", {}).get("acceptance_rate_per_depth"),
+        "greedy_accepted_length": live.get("greedy_offline", {}).get("mean_accepted_length"),
+        "parity_max_rel_error": live.get("parity_max_rel_error"),
         "stage_seconds": stage_seconds,
         "artifacts": first_status(outcomes),
         "wandb_run_id": train.get("wandb_run_id"),

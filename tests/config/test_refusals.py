@@ -250,3 +250,24 @@ def test_an_unreadable_manifest_is_a_refusal_not_a_traceback(cli, tmp_path):
     (odd / "manifest.json").mkdir(parents=True)  # a folder where the manifest should be
     err = refused(cli("stage=vocab", f"extract.prepared_data={odd}"), "no prepared data")
     assert "Traceback" not in err
+
+
+def test_the_last_layer_is_refused_because_sglang_never_captures_it(cli):
+    refused(cli("stage=extract", "extract.aux_layer_ids=[1,3,7]"), "last layer", "0..6")
+
+
+def test_live_eval_needs_vllm(cli, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # how Python marks a module unimportable
+    refused(cli("stage=eval", "eval.live=true"), "eval.live=true", "vLLM, which is not installed")
+
+
+def test_trained_embeddings_are_announced_at_startup_not_refused(store, tiny_verifier):
+    from eagle3x.__main__ import validate
+
+    notes: list = []
+    assert validate(["stage=train", "train.freeze_embeddings=false"], notes) == []
+    assert len(notes) == 1 and "SGLang replaces" in notes[0]
+    quiet: list = []
+    assert validate(["stage=train"], quiet) == [] and quiet == []

@@ -14,7 +14,8 @@ import torch
 
 from tests.helpers import Cli, environment, plan_for, stage_output
 
-FAST = ["trainer.max_steps=40", "train.ttt_steps=3", "eval.depth=3"]
+# Non-default aux layers (the default is [1, 3, 4]), so serving tests see them honoured.
+FAST = ["trainer.max_steps=40", "train.ttt_steps=3", "eval.depth=3", "extract.aux_layer_ids=[0,3,5]"]
 
 
 class TrainedRun:
@@ -94,7 +95,8 @@ def test_export_has_the_layout_vllm_reads(fast_run):
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
     assert cfg["draft_vocab_size"] == 256 and cfg["vocab_size"] == 1024
     assert cfg["target_hidden_size"] == cfg["hidden_size"] == 128
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # ours [1, 3, 4] + 1
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 4, 6]  # vLLM: ours + 1
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 3, 5]  # SGLang: ours
     from safetensors import safe_open
 
     with safe_open(str(draft / "model.safetensors"), framework="pt") as f:
@@ -183,6 +185,81 @@ def test_vllm_serves_the_export_as_an_eagle3_draft_with_identical_greedy_output(
     assert r.returncode == 0, r.stderr[-4000:]
     report = json.loads(r.stdout)  # one json object on stdout, nothing else
     assert report["identical"], report
-    assert report["counters"]["spec_decode_num_drafts"] > 0
-    assert report["counters"]["spec_decode_num_accepted_tokens"] > 0
+    assert report["counters"]["drafts"] > 0 and report["counters"]["accepted_tokens"] > 0
     assert report["mean_accepted_length"] > 1.5
+
+
+@pytest.fixture(scope="module")
+def live_eval(fast_run):
+    """`stage=eval eval.live=true` on the fast run (aux layers [0, 3, 5]): one vLLM engine."""
+    pytest.importorskip("vllm")
+    assert fast_run.result.returncode == 0, fast_run.result.stderr[-3000:]
+    r = fast_run.cli("stage=eval", "engine=hf", "eval.live=true", "logger=none",
+                     "engine.dtype=float32",  # vLLM's "auto" on CPU serves in bfloat16
+                     f"train.output_dir={fast_run.run}", *FAST)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads((fast_run.run / "eval.json").read_text())
+
+
+@pytest.mark.vllm
+def test_live_eval_records_vllms_counters_and_the_exact_replay_agrees(live_eval, fast_run):
+    live = live_eval["live"]
+    assert live["prompts"] == 32 and live["speculative_paths_consistent"]
+    assert live["verifier_agreement"] > 0.99  # the stored features give vLLM's greedy path
+    served, replay = live["served"], live["greedy_offline"]
+    assert served["drafts"] > 32 and served["accepted_tokens"] > 0
+    assert replay["mean_accepted_length"] == pytest.approx(served["mean_accepted_length"], rel=0.05)
+    summary = json.loads((fast_run.run / "summary.json").read_text())
+    assert summary["live_accepted_length"] == served["mean_accepted_length"]
+    assert summary["parity_max_rel_error"] == live["parity_max_rel_error"]
+
+
+def reverse_vocabulary_map(draft) -> None:
+    """Draft id i proposes the target that draft id V-1-i meant."""
+    ids = torch.arange(len(draft.d2t))
+    draft.d2t.copy_((ids + draft.d2t).flip(0) - ids)
+
+
+@pytest.mark.vllm
+def test_vllms_draft_computes_what_eagle3x_trained_and_the_check_sees_each_mistake(
+        live_eval, fast_run, tiny_verifier):
+    """Parity inside real vLLM (float32): what its drafter received and returned on the
+    first two steps of a prompt, against Eagle3Draft.step on features extracted here."""
+    import copy
+
+    from safetensors.torch import load_file
+
+    from eagle3x.draft.live import parity
+    from eagle3x.draft.save import load
+    from eagle3x.engines.hf import HFEngine
+    from eagle3x.weights import EMBED_NAMES, find_tensor
+
+    assert live_eval["live"]["parity_max_rel_error"] <= 1e-3, live_eval["live"]["parity"]
+    record = load_file(str(fast_run.run / "parity.safetensors"))
+    prompt, first = record["prompt"].tolist(), int(record["first"][0])
+    draft = load(fast_run.run / "draft", find_tensor(tiny_verifier, EMBED_NAMES).float())
+
+    def features(ids):
+        engine = HFEngine(tiny_verifier, ids, "float32", "cpu")
+        try:
+            return engine.extract([prompt + [first]])[0][0]
+        finally:
+            engine.close()
+
+    aux = features([0, 3, 5])
+    assert max(v for k, v in parity(record, draft, aux, prompt, first).items()
+               if k != "same_first_proposal") <= 1e-3
+    # Each mistake a train/serve mismatch could make is seen, by a wide margin:
+    h = draft.shape.target_hidden_size
+    wrong = {"layer ids one off (vLLM's numbering as ours)": (draft, features([1, 4, 6])),
+             "concat order": (draft, torch.cat([aux[:, h:2 * h], aux[:, :h], aux[:, 2 * h:]], -1))}
+    for name, change in (("rope theta", lambda d: setattr(d.shape, "rope_theta", 1e6)),
+                         ("hidden norm", lambda d: d.midlayer.hidden_norm.weight.data.mul_(1.5)),
+                         ("final norm eps", lambda d: setattr(d.norm, "eps", 1.0)),
+                         ("d2t", reverse_vocabulary_map)):
+        other = copy.deepcopy(draft)
+        change(other)
+        wrong[name] = (other, aux)
+    for name, (d, feats) in wrong.items():
+        errors = parity(record, d, feats, prompt, first)
+        assert max(errors["aux_features"], errors["step0_logits"]) > 1e-2, (name, errors)
