@@ -163,7 +163,9 @@ def preflight(cfg: Eagle3xConfig, runs: Sequence[str], checks: Sequence[Check],
         why = aux_layer_problem(ids, info.num_layers, info.architectures)
         if why:
             aux_ok = False
-            problems.append(Problem("extract.aux_layer_ids", why, value=str(ids)))
+            given = any(o.lstrip("+~").startswith("extract.aux_layer_ids=") for o in overrides)
+            problems.append(Problem("extract.aux_layer_ids", why, value=str(ids),
+                                    where="command line" if given else None))
         if cfg.vocab.draft_vocab_size > info.vocab_size:
             problems.append(Problem("vocab.draft_vocab_size",
                                     f"larger than the verifier's vocabulary ({info.vocab_size}).",
@@ -263,12 +265,172 @@ def gpus(w: World) -> List[Problem]:
     if tp > 1 and tp > n:
         problems.append(Problem("engine.tensor_parallel_size",
                                 f"{tp} ranks, but this machine shows {n} GPU(s).",
-                                value=str(tp), hint=f"use at most {max(n, 1)}"))
+                                value=str(tp), where=_given(w, "engine.tensor_parallel_size"),
+                                hint=f"use at most {max(n, 1)}"))
     if w.cfg.engine.name is EngineName.hf and tp > 1:
         problems.append(Problem("engine.tensor_parallel_size",
                                 "the hf engine runs on one device; use engine=vllm for "
                                 "tensor parallelism.", value=str(tp)))
     return problems
+
+
+def _given(w: World, key: str) -> Optional[str]:
+    """'command line' when the command line sets `key` (else the config or a preset did)."""
+    return "command line" if any(o.lstrip("+~").split("=", 1)[0] == key
+                                 for o in w.overrides) else None
+
+
+def devices(w: World) -> List[Problem]:
+    """extract: the hf engine's device exists; tensor-parallel ranks divide the heads
+    (vLLM: ``ModelConfig.verify_with_parallel_config`` in ``vllm/config/model.py`` refuses
+    attention heads not divisible by tensor_parallel_size)."""
+    problems = []
+    e = w.cfg.engine
+    if e.name is EngineName.hf and e.device.startswith("cuda") and visible_gpus() == 0:
+        problems.append(Problem("engine.device", "this machine shows no CUDA GPU (torch would "
+                                "fail after loading).", value=e.device, where=_given(w, "engine.device"),
+                                hint="engine.device=cpu, or auto (cuda when visible, else cpu)"))
+    tp = e.tensor_parallel_size
+    if w.info and e.name is EngineName.vllm and w.info.num_heads % tp:
+        problems.append(Problem("engine.tensor_parallel_size",
+                                f"the verifier's {w.info.num_heads} attention heads do not "
+                                f"divide into {tp} ranks (vLLM refuses it after start).",
+                                value=str(tp), where=_given(w, "engine.tensor_parallel_size"),
+                                hint="a divisor of " + str(w.info.num_heads)))
+    return problems
+
+
+def _extraction_pending(w: World) -> bool:
+    """Whether this command's extract stage will start an engine (its hidden states are
+    not already complete for the samples it needs)."""
+    if w.plan is None:
+        return True
+    try:
+        m = artifacts.read_manifest(w.plan.hidden.folder)
+    except artifacts.ArtifactError:
+        return True
+    if m.get("fingerprint") != w.plan.hidden.fingerprint:
+        return True
+    prepared = artifacts.complete_manifest(w.plan.prepared.folder)
+    available = prepared["stats"]["samples"] if prepared else None
+    if available is None:
+        return True
+    try:
+        return m.get("samples", 0) < w.plan.split.extract_until(available)
+    except artifacts.ArtifactError:
+        return True
+
+
+def engine_memory(w: World) -> List[Problem]:
+    """extract (engine=vllm, with work to do) and eval (eval.live): the memory vLLM will
+    reserve is free now (rules in eagle3x.config.machine)."""
+    from eagle3x.config import machine
+
+    starts = ((w.cfg.engine.name is EngineName.vllm and "extract" in w.runs
+               and _extraction_pending(w)) or ("eval" in w.runs and w.cfg.eval.live))
+    if not starts:
+        return []
+    util = w.cfg.engine.gpu_memory_utilization
+    gpus = visible_gpus()
+    found = (machine.gpu_memory()[: w.cfg.engine.tensor_parallel_size] if gpus
+             else [m for m in [machine.cpu_memory()] if m])
+    short = [m for m in found if m.total * util > m.available]
+    if not short:
+        return []
+    m = short[0]
+    fits = max(int(m.available / m.total * 20) / 20, 0.05)
+    kind = "GPU" if gpus else "CPU"
+    return [Problem("engine.gpu_memory_utilization",
+                    f"vLLM reserves this share of {m.where}'s {human_bytes(m.total)} "
+                    f"({human_bytes(m.total * util)}) at start and refuses when less is free; "
+                    f"{human_bytes(m.available)} is free now ({kind} build).",
+                    value=str(util), where=_given(w, "engine.gpu_memory_utilization"),
+                    hint=f"engine.gpu_memory_utilization={fits:.2f} or lower, or free memory")]
+
+
+#: config.json keys vLLM reads for the context length, taking the smallest present
+#: (``derive_max_model_len_and_key`` in ``vllm/transformers_utils/
+#: model_arch_config_convertor.py``), and the rope types whose `factor` does not extend it
+#: (``_get_and_verify_max_len`` in ``vllm/config/model.py``).
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                "model_max_length", "max_target_positions", "max_sequence_length",
+                "max_seq_length", "seq_len")
+UNSCALED_ROPE = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
+def verifier_context(raw: dict) -> Optional[int]:
+    """The longest sequence vLLM will accept for a verifier with this config.json."""
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    found = [int(text[k]) for k in CONTEXT_KEYS if isinstance(text.get(k), (int, float))]
+    if not found:
+        return None
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    params = [v for v in rope.values() if isinstance(v, dict)] if all(
+        isinstance(v, dict) for v in rope.values()) and rope else [rope]
+    factor = 1.0
+    for rp in params:
+        kind = rp.get("rope_type") or rp.get("type") or "default"
+        if kind not in UNSCALED_ROPE and rp.get("factor"):
+            factor = float(rp["factor"])
+    return int(min(found) * factor)
+
+
+def context_length(w: World) -> List[Problem]:
+    """prepare / extract: samples of extract.max_seq_len tokens fit the verifier's context
+    (vLLM also generates one token after each, so it needs one position more)."""
+    if w.info is None:
+        return []
+    context = verifier_context(w.info.raw)
+    if context is None:
+        return []
+    need = w.cfg.extract.max_seq_len + (1 if w.cfg.engine.name is EngineName.vllm else 0)
+    if need <= context:
+        return []
+    extra = " plus the one token vLLM generates after each" if need > w.cfg.extract.max_seq_len else ""
+    return [Problem("extract.max_seq_len", f"samples this long{extra} do not fit the verifier's "
+                    f"context of {context} positions (config.json).",
+                    value=str(w.cfg.extract.max_seq_len), where=_given(w, "extract.max_seq_len"),
+                    hint=f"extract.max_seq_len={context - (need - w.cfg.extract.max_seq_len)} or less")]
+
+
+def trainer_devices(w: World) -> List[Problem]:
+    """train: the Lightning accelerator and device count exist on this machine (Lightning's
+    ``_AcceleratorConnector`` raises only when the Trainer is built, after prepare and
+    extract have run)."""
+    t = w.cfg.trainer
+    gpus = visible_gpus()
+    problems = []
+    if t.accelerator in ("gpu", "cuda") and gpus == 0:
+        problems.append(Problem("trainer.accelerator", "this machine shows no CUDA GPU.",
+                                value=t.accelerator, where=_given(w, "trainer.accelerator"),
+                                hint="trainer.accelerator=auto (GPUs when visible) or cpu"))
+    on_cpu = t.accelerator == "cpu" or (t.accelerator == "auto" and gpus == 0)
+    if not on_cpu and gpus and t.devices.isdigit() and int(t.devices) > gpus:
+        problems.append(Problem("trainer.devices", f"{t.devices} devices, but this machine "
+                                f"shows {gpus} GPU(s).", value=t.devices,
+                                where=_given(w, "trainer.devices"), hint=f"at most {gpus}, or auto"))
+    return problems
+
+
+def wandb_credentials(w: World) -> List[Problem]:
+    """train: logger.mode=online has an API key (WANDB_API_KEY, or `wandb login`'s netrc
+    entry), else wandb.init stops after the data stages to ask for one."""
+    if w.cfg.logger.name is not LoggerName.wandb or w.cfg.logger.mode != "online":
+        return []
+    if os.environ.get("WANDB_API_KEY"):
+        return []
+    host = (os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").split("//")[-1].split("/")[0]
+    netrc = Path(os.environ.get("NETRC") or Path.home() / ".netrc")
+    try:
+        if f"machine {host}" in netrc.read_text():
+            return []
+    except OSError:
+        pass
+    return [Problem("logger.mode", f"online, but no W&B API key: WANDB_API_KEY is unset and "
+                    f"{netrc} has no entry for {host}.", value="online",
+                    where=_given(w, "logger.mode") or (
+                        "from environment variable WANDB_MODE" if os.environ.get("WANDB_MODE") else None),
+                    hint="wandb login (or export WANDB_API_KEY=...), or logger.mode=offline")]
 
 
 def foreign_shards(w: World) -> List[Problem]:
@@ -326,6 +488,13 @@ def notices(cfg: Eagle3xConfig, runs: Sequence[str]) -> List[str]:
                    "verifier's whenever their hidden sizes match (EAGLEWorkerV2.init_lm_head -> "
                    "set_embed), so under SGLang this draft runs with embeddings it was not "
                    "trained with.")
+    t = cfg.trainer
+    on_cpu = t.accelerator == "cpu" or (t.accelerator == "auto" and visible_gpus() == 0)
+    if "train" in runs and on_cpu and t.precision == "16-mixed":
+        # lightning/pytorch/trainer/connectors/accelerator_connector.py,
+        # _AcceleratorConnector._check_and_init_precision: a warning, then bf16-mixed
+        out.append("trainer.precision=16-mixed on the CPU: Lightning trains in bf16-mixed "
+                   "instead (float16 AMP needs a GPU).")
     return out
 
 

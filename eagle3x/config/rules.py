@@ -7,7 +7,7 @@ The rules are declared beside their fields in ``schema.py`` (``checked(...)``,
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator, List, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -43,8 +43,26 @@ def check_values(cfg: DictConfig, need_stage: bool = True) -> List[Problem]:
         except Exception:
             continue
         if isinstance(value, DictConfig) or not _holds(rule, value):
-            problems.append(Problem(key, rule.why + ".", value=_show(value)))
+            problems.append(Problem(key, rule.why + ".", value=_show(value),
+                                    where=_environment_source(cfg, key)))
     return problems
+
+
+def _environment_source(cfg: DictConfig, key: str) -> Optional[str]:
+    """'environment variable X' when the value of `key` came from ${oc.env:X,...} and X is set."""
+    import os
+    import re
+
+    parent, _, leaf = key.rpartition(".")
+    try:
+        node = (OmegaConf.select(cfg, parent) if parent else cfg)._get_node(leaf)
+        raw = node._value() if node is not None else None
+    except Exception:
+        return None
+    found = re.match(r"\$\{oc\.env:([A-Za-z_][A-Za-z0-9_]*)", str(raw)) if isinstance(raw, str) else None
+    if found and found.group(1) in os.environ:
+        return f"from environment variable {found.group(1)}={os.environ[found.group(1)]!r}"
+    return None
 
 
 def _holds(rule: Rule, value: Any) -> bool:

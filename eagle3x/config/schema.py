@@ -214,7 +214,7 @@ class EvalConfig:
     live: bool = False
     # Held-out prompts (the first user turn of each held-out conversation) served live.
     prompts: int = at_least(1, 32)
-    # Tokens vLLM generates per prompt (greedy, EOS ignored so every prompt runs as long).
+    # At most this many tokens per prompt (greedy; a prompt ends earlier at a stop token).
     max_new_tokens: int = at_least(2, 64)
 
 

@@ -8,9 +8,9 @@ speculation counters. Two pure functions put the offline side beside it:
                     along the verifier's own greedy continuation: a round proposes `depth`
                     tokens at position t, accepts a of them, and the next starts at t+a+1.
                     That is what vLLM counts (a draft per round; accepted tokens are counted
-                    even past max_tokens, ``Scheduler.update_from_output`` in
-                    ``vllm/v1/core/sched/scheduler.py``), so the continuation must reach
-                    `depth` + 1 tokens beyond the served length.
+                    even past max_tokens or a stop token, ``Scheduler.update_from_output``
+                    in ``vllm/v1/core/sched/scheduler.py``), so the continuation must reach
+                    `depth` + 1 tokens beyond what was served (decoded ignoring EOS).
     parity          compares what vLLM's drafter received and returned on its first two
                     steps of a prompt (the probe's record) with `Eagle3Draft.step` on the
                     stored features of the same tokens: the relative error of each.
@@ -28,7 +28,8 @@ COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
 def greedy_rounds(accepted: Sequence[int], start: int, served: int) -> Dict[str, Any]:
-    """Rounds of greedy speculative decoding of `served` new tokens.
+    """Rounds of greedy speculative decoding of a request that returned `served` tokens
+    (it runs rounds until that many are made, whether max_tokens or a stop token ended it).
 
     `accepted[t]`: how many of the draft's chain from position t the verifier accepts;
     `start`: the last prompt position (the draft's first round starts there, after the
@@ -140,11 +141,14 @@ class ServedDraft:
         model_config = getattr(self.llm.llm_engine, "model_config", None)
         self.dtype = str(getattr(model_config, "dtype", settings.get("dtype"))).replace("torch.", "")
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> List[List[int]]:
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int,
+                 ignore_eos: bool = False) -> List[List[int]]:
+        """Greedy continuations (ending at the verifier's stop token, included, unless
+        `ignore_eos`)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(map(int, p)))
                                   for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]

@@ -95,14 +95,14 @@ def live(plan: RunPlan, settings: EvalConfig, extract: ExtractConfig, engine: En
     dtype = served.dtype
     try:
         before = served.counters()
-        made = served.generate(prompts, m)
+        made = served.generate(prompts, m)  # as served: up to m tokens, ending at EOS
         counts = served_counts(before, served.counters(), depth)
         # The same greedy paths, long enough for the last rounds' verification.
-        paths = served.generate(prompts, m + depth + 1)
+        paths = served.generate(prompts, m + depth + 1, ignore_eos=True)
         record = served.record_first_steps(prompts[0], plan.run_dir / "parity.safetensors")
     finally:
         served.close()
-    consistent = all(p[:m] == q for p, q in zip(paths, made))
+    consistent = all(p[:len(q)] == q for p, q in zip(paths, made))
 
     eng = open_engine(engine, plan.verifier, plan.aux_layer_ids, longest, plan.run_dir)
     try:
@@ -117,19 +117,19 @@ def live(plan: RunPlan, settings: EvalConfig, extract: ExtractConfig, engine: En
     per_pos = [0] * depth
     agree = total = 0
     every = []  # accepted length from every position of the greedy paths
-    for prompt, seq, (aux, last) in zip(prompts, seqs, feats):
+    for prompt, seq, out, (aux, last) in zip(prompts, seqs, made, feats):
         ids = torch.tensor([seq])
         batch = {"input_ids": ids, "aux_hidden": aux[None].float(), "last_hidden": last[None],
                  "loss_mask": torch.ones_like(ids), "lengths": torch.tensor([len(seq)])}
         nxt = shift(ids, 1, -1)
         acc = chain_acceptance(draft, batch, head, depth, greedy=nxt)["accepted"][0]
         n = len(prompt)
-        replay = greedy_rounds(acc.tolist(), n - 1, m)
+        replay = greedy_rounds(acc.tolist(), n - 1, len(out))
         drafts += replay["num_drafts"]
         accepted += replay["num_accepted_tokens"]
         for j, c in enumerate(replay["accepted_per_pos"]):
             per_pos[j] += c
-        every += (acc[n - 1:n - 2 + m] + 1).tolist()
+        every += (acc[n - 1:n - 2 + len(out)] + 1).tolist()
         own = (last.float() @ head.T).argmax(-1)[n - 1:-1]
         agree += int((own == ids[0, n:]).sum())
         total += own.numel()
@@ -140,6 +140,7 @@ def live(plan: RunPlan, settings: EvalConfig, extract: ExtractConfig, engine: En
     gap = (offline["mean_accepted_length"] / counts["mean_accepted_length"] - 1
            if counts["mean_accepted_length"] and offline["mean_accepted_length"] else None)
     return {"prompts": len(prompts), "max_new_tokens": m, "depth": depth,
+            "mean_new_tokens": sum(map(len, made)) / len(made),
             "served": counts, "greedy_offline": offline, "offline_vs_served": gap,
             "speculative_paths_consistent": consistent,
             "verifier_agreement": agree / max(total, 1), "parity": errors,
