@@ -108,16 +108,21 @@ def run(cfg: Any) -> Optional[str]:
     from eagle3x.config.compose import typed
     from eagle3x.data.conversations import DataError
 
+    from eagle3x import console
+
     settings = typed(cfg)
     seconds: Dict[str, float] = {}
+    loud = settings.log.libraries or _hydra_verbose()
     try:
-        plan = start(settings, _hydra_job_dir())
-        outcomes = run_stages(plan, settings, stages_for(settings.stage), seconds)
-        if settings.stage in SUMMARISED:
-            from eagle3x.tracking import summary
+        with console.quiet(None if loud else console.job_log_file()):
+            plan = start(settings, _hydra_job_dir())
+            outcomes = run_stages(plan, settings, stages_for(settings.stage), seconds)
+            if settings.stage in SUMMARISED:
+                from eagle3x.tracking import summary
 
-            log.info("summary -> %s", summary.write(plan, outcomes, seconds))
-            artifacts.write_json_atomic(plan.run_dir / "plan.json", plan.describe())
+                path = summary.write(plan, outcomes, seconds)
+                artifacts.write_json_atomic(plan.run_dir / "plan.json", plan.describe())
+                log.info("summary -> %s\n%s", path, summary.table(plan, outcomes, seconds))
         return str(outcomes[-1].path)
     except (DataError, ArtifactError) as exc:
         log.error("%s", exc)
@@ -125,6 +130,15 @@ def run(cfg: Any) -> Optional[str]:
         sys.exit(1)
     finally:
         _finish_wandb()
+
+
+def _hydra_verbose() -> bool:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return bool(HydraConfig.initialized() and HydraConfig.get().verbose)
+    except Exception:
+        return False
 
 
 def _hydra_job_dir() -> Optional[Path]:

@@ -231,6 +231,13 @@ class LoggerConfig:
 
 
 @dataclass
+class LogConfig:
+    # Show the libraries' own output (vLLM, Lightning, transformers, warnings) on the
+    # console too; it always goes to the job's log file (<Hydra run dir>/eagle3x.log).
+    libraries: bool = False
+
+
+@dataclass
 class Eagle3xConfig:
     stage: Stage = MISSING
     paths: PathsConfig = field(default_factory=PathsConfig)
@@ -244,6 +251,7 @@ class Eagle3xConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
 
 #: Config groups whose option is chosen with `group=option` (one YAML file each).

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import logging
 import signal
-import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from eagle3x import artifacts
+from eagle3x import artifacts, console
 from eagle3x.artifacts import Outcome
 from eagle3x.config.schema import EngineConfig, ExtractConfig, VerifyMode
 from eagle3x.data import prepared, shards
@@ -200,7 +199,8 @@ def extract(plan: RunPlan, settings: ExtractConfig, engine_name: str,
                         writer.hold(*sample)
                 writer.flush(index=i, first=e["first_sample"])
             bar = tqdm(total=target, initial=m["samples"], desc="extract", unit="sample",
-                       dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 10)
+                       dynamic_ncols=True, file=console.stream(),
+                       mininterval=0.5 if console.is_terminal() else 10)
             with _stop_requests() as stop:
                 pending = list(_samples(data, m["samples"], target))
                 for done in _extracted(engine, pending, settings.batch_size):

@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from eagle3x import artifacts
+from eagle3x import artifacts, console
 from eagle3x.artifacts import Outcome
 from eagle3x.plan import RunPlan
 
@@ -41,7 +41,8 @@ def build(plan: RunPlan) -> Outcome:
     where = str(src.path)
     ids, masks, lengths, lines = [], [], [], []
     truncated = dropped = 0
-    for k in tqdm(order, desc="prepare", unit="conv", disable=len(convs) < 2000):
+    for k in tqdm(order, desc="prepare", unit="conv", disable=len(convs) < 2000,
+                  file=console.stream()):
         conv = convs[k]
         t_ids, t_mask, cut = encode(tok, conv.messages, src.max_seq_len, f"{where}:{conv.line}")
         if not any(t_mask):

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from eagle3x import artifacts
+from eagle3x import artifacts, console
 from eagle3x.artifacts import Outcome
 from eagle3x.config.schema import (ExtractConfig, LoggerConfig, LoggerName, TrainConfig,
                                    TrainerConfig)
@@ -60,14 +59,23 @@ def make_trainer(t: TrainerConfig, out: Path, logger: Any) -> Any:
     import lightning as L
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
 
+    class StepsBar(RichProgressBar):
+        """Lightning's rich bar, described by the run's bound: "train 150 steps" for a
+        step-bounded run (Lightning's own reads "Epoch 0/-2" there)."""
+
+        def _get_train_description(self, current_epoch: int) -> str:
+            if self.trainer.max_steps and self.trainer.max_steps > 0:
+                return f"train {self.trainer.max_steps} steps"
+            return super()._get_train_description(current_epoch)
+
     every = max(1, t.max_steps // 10) if t.max_steps > 0 else 500
     callbacks = [ModelCheckpoint(dirpath=str(out / "checkpoints"), filename="step{step:06d}",
                                  auto_insert_metric_name=False,
                                  every_n_train_steps=every, save_last=True, save_top_k=-1)]
     if logger:
         callbacks.append(LearningRateMonitor(logging_interval="step"))
-    if t.enable_progress_bar and sys.stderr.isatty():
-        callbacks.append(RichProgressBar())
+    if t.enable_progress_bar and console.is_terminal():
+        callbacks.append(StepsBar(console_kwargs={"file": console.stream()}))
     val_every = t.val_check_interval or max(1, t.max_steps // 4 if t.max_steps > 0 else 1000)
     devices: Any = t.devices if not str(t.devices).isdigit() else int(t.devices)
     return L.Trainer(

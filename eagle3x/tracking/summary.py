@@ -63,3 +63,43 @@ def write(plan: RunPlan, outcomes: Sequence[Outcome], stage_seconds: Dict[str, f
     }
     artifacts.write_json_atomic(out / "summary.json", summary)
     return out / "summary.json"
+
+
+def _figures(o: Outcome, out: Path) -> str:
+    """The key figures of one stage's outcome, read from what it wrote."""
+    try:
+        if o.kind in ("prepared", "hidden", "vocab"):
+            m = artifacts.read_manifest(o.path)
+            if o.kind == "prepared":
+                st = m["stats"]
+                return f"{st['samples']} samples, {st['tokens']} tokens"
+            if o.kind == "vocab":
+                return f"{m['stats']['draft_vocab_size']} tokens cover {m['stats']['coverage']:.1%}"
+            runs = m.get("runs") or []
+            speed = f", {runs[-1]['tokens_per_second']:.0f} tok/s" if runs and o.status == "built" else ""
+            return f"{m['samples']} samples{speed}"
+        if o.kind == "draft":
+            t = _read(out / "train_summary.json")
+            metrics = t.get("metrics", {})
+            return (f"{t.get('steps')} steps, val acc_0 {metrics.get('val/acc_0', 0):.3f}, "
+                    f"accept_len {metrics.get('val/accept_len', 0):.2f}")
+        if o.kind == "eval":
+            e = _read(out / "eval.json")
+            text = f"accepted length {e['mean_accepted_length']:.3f} offline"
+            live = (e.get("live") or {}).get("served") or {}
+            if live.get("mean_accepted_length"):
+                text += f", {live['mean_accepted_length']:.3f} in vLLM"
+            return text
+    except (artifacts.ArtifactError, KeyError, TypeError, ValueError):
+        pass
+    return ""
+
+
+def table(plan: RunPlan, outcomes: Sequence[Outcome], stage_seconds: Dict[str, float]) -> str:
+    """One line per stage: built or reused, time, key figures, where its output is."""
+    names = list(stage_seconds)
+    rows = [(name, o.status, f"{stage_seconds[name]:.1f}s", _figures(o, plan.run_dir), str(o.path))
+            for name, o in zip(names, outcomes)]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join("  " + "  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4]
+                     for r in rows)

@@ -263,3 +263,16 @@ def test_vllms_draft_computes_what_eagle3x_trained_and_the_check_sees_each_mista
     for name, (d, feats) in wrong.items():
         errors = parity(record, d, feats, prompt, first)
         assert max(errors["aux_features"], errors["step0_logits"]) > 1e-2, (name, errors)
+
+
+def test_the_console_shows_the_run_and_the_log_file_the_libraries(full_run):
+    r = full_run.result
+    shown = r.stdout + r.stderr
+    assert "stage train done in" in shown and "GPU available" not in shown
+    table = shown[shown.index("summary -> "):]
+    for stage, status in (("prepare", "built"), ("extract", "built"), ("train", "built"),
+                          ("eval", "wrote")):
+        assert f"  {stage}  " in table and status in table, table
+    logs = list(full_run.root.glob("outputs/*/*/eagle3x.log"))
+    assert len(logs) == 1 and "GPU available" in logs[0].read_text()
+    assert len([line for line in shown.splitlines() if line.strip()]) < 40, shown

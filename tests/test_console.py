@@ -1,0 +1,57 @@
+"""The quiet console, in a real process: libraries' output of every kind goes to the job log
+file, eagle3x's lines and any ERROR stay on the console."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+
+SCRIPT = textwrap.dedent("""
+    import logging, os, subprocess, sys, warnings
+    from pathlib import Path
+    from eagle3x import console
+
+    log_file = Path(sys.argv[1])
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    root.addHandler(logging.StreamHandler(sys.stdout))  # what Hydra's console handler is
+    root.addHandler(logging.FileHandler(log_file))
+    assert console.job_log_file() == log_file
+    with console.quiet(console.job_log_file()):
+        logging.getLogger("eagle3x").info("own line")
+        logging.getLogger("lightning.pytorch").info("library info")
+        logging.getLogger("vllm").warning("library warning")
+        logging.getLogger("vllm").error("library error")
+        warnings.warn("a python warning")
+        print("a library print")
+        os.write(2, b"C-level write\\n")
+        subprocess.run([sys.executable, "-c", "print('from a child process')"], check=True)
+        console.stream().write("a progress bar\\n")
+    logging.getLogger("eagle3x").info("after")
+    print("print after")
+""")
+
+
+def test_libraries_go_to_the_log_file_and_eagle3x_to_the_console(tmp_path):
+    log_file = tmp_path / "eagle3x.log"
+    r = subprocess.run([sys.executable, "-c", SCRIPT, str(log_file)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    shown = r.stdout + r.stderr
+    logged = log_file.read_text()
+    for line in ("own line", "library error", "a progress bar", "after", "print after"):
+        assert line in shown, (line, shown)
+    for line in ("library info", "library warning", "a python warning", "a library print",
+                 "C-level write", "from a child process"):
+        assert line in logged and line not in shown, (line, shown)
+
+
+def test_without_a_log_file_nothing_is_redirected(capfd):
+    from eagle3x import console
+
+    with console.quiet(None):
+        print("still here")
+        assert console.stream() is sys.stderr
+    assert "still here" in capfd.readouterr().out
