@@ -103,33 +103,32 @@ def start(settings: Eagle3xConfig, run_dir: Optional[Path] = None) -> RunPlan:
 
 def run(cfg: Any) -> Optional[str]:
     """Hydra's job: run cfg.stage; known errors end the process with one line and status 1."""
-    from eagle3x import artifacts
+    from eagle3x import artifacts, console
     from eagle3x.artifacts import ArtifactError
     from eagle3x.config.compose import typed
     from eagle3x.data.conversations import DataError
-
-    from eagle3x import console
 
     settings = typed(cfg)
     seconds: Dict[str, float] = {}
     loud = settings.log.libraries or _hydra_verbose()
     try:
         with console.quiet(None if loud else console.job_log_file()):
-            plan = start(settings, _hydra_job_dir())
-            outcomes = run_stages(plan, settings, stages_for(settings.stage), seconds)
-            if settings.stage in SUMMARISED:
-                from eagle3x.tracking import summary
+            try:
+                plan = start(settings, _hydra_job_dir())
+                outcomes = run_stages(plan, settings, stages_for(settings.stage), seconds)
+                if settings.stage in SUMMARISED:
+                    from eagle3x.tracking import summary
 
-                path = summary.write(plan, outcomes, seconds)
-                artifacts.write_json_atomic(plan.run_dir / "plan.json", plan.describe())
-                log.info("summary -> %s\n%s", path, summary.table(plan, outcomes, seconds))
+                    path = summary.write(plan, outcomes, seconds)
+                    artifacts.write_json_atomic(plan.run_dir / "plan.json", plan.describe())
+                    log.info("summary -> %s\n%s", path, summary.table(plan, outcomes, seconds))
+            finally:
+                _finish_wandb()
         return str(outcomes[-1].path)
     except (DataError, ArtifactError) as exc:
         log.error("%s", exc)
         sys.stderr.write(f"eagle3x: {exc}\n")
         sys.exit(1)
-    finally:
-        _finish_wandb()
 
 
 def _hydra_verbose() -> bool:
@@ -155,5 +154,10 @@ def _hydra_job_dir() -> Optional[Path]:
 def _finish_wandb() -> None:
     """Close a W&B run the stages opened, so offline runs are whole for `wandb sync`."""
     wandb = sys.modules.get("wandb")
+    run = getattr(wandb, "run", None) if wandb is not None else None
+    if run is not None and (getattr(run, "offline", False)
+                            or getattr(run.settings, "mode", None) == "offline"):
+        folder = Path(run.dir).parent
+        log.info("W&B offline run -> %s (upload: wandb sync %s)", folder, folder)
     if wandb is not None and getattr(wandb, "run", None) is not None:
         wandb.finish()
