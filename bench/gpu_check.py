@@ -7,12 +7,14 @@ bigger random verifier, with every figure written to gpu_results.json.
 script cannot rot). Figures: bf16 (fp32 on CPU) matmul rate, extraction tokens/s per
 engine and their ratio, bytes/token, peak GPU memory, training tokens/s, and an MFU
 estimate (training FLOPs/token x tokens/s over the measured matmul rate). Each stage is
-timed and a failure is recorded rather than ending the run.
+timed and a failure is recorded rather than ending the run. Where vLLM is installed, eval
+also serves the draft with it (`eval.live`): live acceptance, the exact replay, parity.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -139,7 +141,12 @@ def main() -> None:
             continue
         if spec.name == "train" and device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        ok = stage(spec.name, run(spec, *hidden))
+        extra = list(hidden)
+        if spec.name == "eval" and not args.smoke and importlib.util.find_spec("vllm"):
+            # vLLM serves the draft (its V2 runner on a GPU): live acceptance, the exact
+            # greedy replay and parity, in the engine dtype above
+            extra += ["eval.live=true", "engine=vllm", "engine.gpu_memory_utilization=0.5"]
+        ok = stage(spec.name, run(spec, *extra))
         if spec.name == "train" and ok:
             summary = json.loads((work / "run" / "train_summary.json").read_text())
             tokens_per_step = summary["train_tokens_per_step"]
