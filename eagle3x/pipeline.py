@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from eagle3x.artifacts import Outcome
 from eagle3x.config import preflight
+from eagle3x.config.problems import EXIT_REFUSED, Problem, Refused
 from eagle3x.config.schema import Eagle3xConfig, Stage
 from eagle3x.plan import RunPlan, resolve
 from eagle3x.stages import evaluate, export, extract, prepare, train, vocab
@@ -44,6 +45,9 @@ class StageSpec:
     in_all: bool = True
     #: startup checks of the world this stage meets (eagle3x.config.preflight)
     checks: Tuple[preflight.Check, ...] = ()
+    #: a check that needs the stage's heavy library, run before any stage of the command
+    #: starts: precheck(settings) -> problems
+    precheck: Optional[Callable[[Eagle3xConfig], List[Problem]]] = None
 
 
 STAGES: Tuple[StageSpec, ...] = (
@@ -56,7 +60,8 @@ STAGES: Tuple[StageSpec, ...] = (
                       preflight.foreign_shards, preflight.disk, preflight.engine_memory)),
     StageSpec("vocab", vocab.run, checks=(preflight.vocab_inputs,)),
     StageSpec("train", train.run, sections=("train", "trainer", "logger", "extract"),
-              before=("prepare", "extract", "vocab"),
+              before=("prepare", "extract", "vocab"), precheck=lambda s: [
+                  Problem("trainer", why) for why in [train.precheck(s.trainer)] if why],
               checks=(preflight.logger_installed, preflight.wandb_credentials,
                       preflight.trainer_devices, preflight.resume_checkpoint)),
     StageSpec("eval", evaluate.run, sections=("eval", "train", "extract", "engine"),
@@ -80,7 +85,11 @@ def stages_for(stage: Stage) -> List[StageSpec]:
 
 def run_stages(plan: RunPlan, settings: Eagle3xConfig, stages: Sequence[StageSpec],
                seconds: Optional[Dict[str, float]] = None) -> List[Outcome]:
-    """Run `stages` in order for `plan`; each gets the plan and its config sections."""
+    """Run `stages` in order for `plan`; each gets the plan and its config sections.
+    Every stage's precheck runs first: problems raise `Refused` before anything starts."""
+    problems = [p for spec in stages if spec.precheck for p in spec.precheck(settings)]
+    if problems:
+        raise Refused(problems)
     outcomes = []
     for spec in stages:
         t0 = time.perf_counter()
@@ -129,6 +138,9 @@ def run(cfg: Any) -> Optional[str]:
         log.error("%s", exc)
         sys.stderr.write(f"eagle3x: {exc}\n")
         sys.exit(1)
+    except Refused as exc:
+        sys.stderr.write(str(exc))
+        sys.exit(EXIT_REFUSED)
 
 
 def _hydra_verbose() -> bool:

@@ -90,6 +90,20 @@ def make_trainer(t: TrainerConfig, out: Path, logger: Any) -> Any:
         enable_model_summary=False)
 
 
+def precheck(trainer: TrainerConfig) -> Optional[str]:
+    """What Lightning says of these Trainer settings when it builds a Trainer (no data, no
+    model: about a second), or None. The pipeline runs it before the stages that come
+    first, so a combination Lightning refuses never waits behind an extraction."""
+    import tempfile
+
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            make_trainer(trainer, Path(tmp), None)
+    except Exception as exc:  # Lightning's MisconfigurationException, ValueError, ...
+        return f"Lightning refuses them: {exc}"
+    return None
+
+
 def run(plan: RunPlan, train: TrainConfig, trainer: TrainerConfig, logger: LoggerConfig,
         extract: ExtractConfig) -> Outcome:
     import lightning as L

@@ -276,3 +276,10 @@ def test_the_console_shows_the_run_and_the_log_file_the_libraries(full_run):
     logs = list(full_run.root.glob("outputs/*/*/eagle3x.log"))
     assert len(logs) == 1 and "GPU available" in logs[0].read_text()
     assert len([line for line in shown.splitlines() if line.strip()]) < 40, shown
+
+
+def test_trainer_settings_lightning_refuses_stop_the_run_before_prepare_and_extract(cli, store):
+    r = cli("stage=train", "engine=hf", "logger=none", "trainer.precision=17")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "x trainer" in r.stderr and "Precision '17' is invalid" in r.stderr
+    assert not (store / "prepared").exists() and not (store / "hidden").exists()
