@@ -38,7 +38,7 @@ def validate(argv: Sequence[str], notes: Optional[List[str]] = None) -> List[Pro
             found += check_values(cfg, need_stage=not inspect_only)
             if not found and not inspect_only:
                 settings = typed(cfg)
-                stages = stages_for(settings.stage)
+                stages = stages_for(settings.stage, settings)
                 checks = list(dict.fromkeys(c for s in stages for c in s.checks))
                 found += preflight(settings, [s.name for s in stages], checks, job)
                 if notes is not None:

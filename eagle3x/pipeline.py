@@ -25,9 +25,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from eagle3x.artifacts import Outcome
 from eagle3x.config import preflight
 from eagle3x.config.problems import EXIT_REFUSED, Problem, Refused
-from eagle3x.config.schema import Eagle3xConfig, Stage
+from eagle3x.config.schema import Eagle3xConfig, Responses, Stage
 from eagle3x.plan import RunPlan, resolve
-from eagle3x.stages import evaluate, export, extract, prepare, train, vocab
+from eagle3x.stages import evaluate, export, extract, prepare, regenerate, train, vocab
 
 log = logging.getLogger("eagle3x")
 
@@ -48,10 +48,17 @@ class StageSpec:
     #: a check that needs the stage's heavy library, run before any stage of the command
     #: starts: precheck(settings) -> problems
     precheck: Optional[Callable[[Eagle3xConfig], List[Problem]]] = None
+    #: when set, the stage runs as part of another command (`before`, `stage=all`) only
+    #: if when(settings) holds; asked for by name it always runs
+    when: Optional[Callable[[Eagle3xConfig], bool]] = None
 
 
 STAGES: Tuple[StageSpec, ...] = (
-    StageSpec("prepare", prepare.run,
+    StageSpec("regenerate", regenerate.run, sections=("regenerate", "engine"),
+              checks=(preflight.chat_template, preflight.gpus, preflight.devices,
+                      preflight.engine_memory),
+              when=lambda s: s.data.responses is Responses.regenerated),
+    StageSpec("prepare", prepare.run, before=("regenerate",),
               checks=(preflight.chat_template, preflight.prepared_writable,
                       preflight.context_length)),
     StageSpec("extract", extract.run, sections=("extract", "engine"),
@@ -60,7 +67,7 @@ STAGES: Tuple[StageSpec, ...] = (
                       preflight.foreign_shards, preflight.disk, preflight.engine_memory)),
     StageSpec("vocab", vocab.run, checks=(preflight.vocab_inputs,)),
     StageSpec("train", train.run, sections=("train", "trainer", "logger", "extract"),
-              before=("prepare", "extract", "vocab"), precheck=lambda s: [
+              before=("regenerate", "prepare", "extract", "vocab"), precheck=lambda s: [
                   Problem("trainer", why) for why in [train.precheck(s.trainer)] if why],
               checks=(preflight.logger_installed, preflight.wandb_credentials,
                       preflight.trainer_devices, preflight.resume_checkpoint)),
@@ -75,12 +82,16 @@ BY_NAME: Dict[str, StageSpec] = {s.name: s for s in STAGES}
 SUMMARISED = (Stage.all, Stage.train, Stage.eval)
 
 
-def stages_for(stage: Stage) -> List[StageSpec]:
-    """The stages `python -m eagle3x stage=<stage>` runs, in order."""
+def stages_for(stage: Stage, settings: Optional[Eagle3xConfig] = None) -> List[StageSpec]:
+    """The stages `python -m eagle3x stage=<stage>` runs, in order (a conditional stage
+    joins another command only when its `when(settings)` holds)."""
+    def joins(s: StageSpec) -> bool:
+        return s.when is None or (settings is not None and s.when(settings))
+
     if stage is Stage.all:
-        return [s for s in STAGES if s.in_all]
+        return [s for s in STAGES if s.in_all and joins(s)]
     spec = BY_NAME[stage.value]
-    return [BY_NAME[n] for n in spec.before] + [spec]
+    return [BY_NAME[n] for n in spec.before if joins(BY_NAME[n])] + [spec]
 
 
 def run_stages(plan: RunPlan, settings: Eagle3xConfig, stages: Sequence[StageSpec],
@@ -124,7 +135,7 @@ def run(cfg: Any) -> Optional[str]:
         with console.quiet(None if loud else console.job_log_file()):
             try:
                 plan = start(settings, _hydra_job_dir())
-                outcomes = run_stages(plan, settings, stages_for(settings.stage), seconds)
+                outcomes = run_stages(plan, settings, stages_for(settings.stage, settings), seconds)
                 if settings.stage in SUMMARISED:
                     from eagle3x.tracking import summary
 

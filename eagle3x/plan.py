@@ -9,7 +9,9 @@ and ``python -m eagle3x --plan ...`` prints it.
 
 Fingerprints key the shared artifact store (``<paths.artifacts>/<kind>/<fingerprint>``):
 
-    prepared  data content, verifier (config + tokenizer), format, seed, max_seq_len
+    regenerated  data content, format, verifier, regenerate.* settings, chat_template_kwargs
+    prepared  data content (or the regenerated artifact's fingerprint), verifier (config +
+              tokenizer), format, seed, max_seq_len, chat_template_kwargs when set
     hidden    prepared data, verifier, aux layer ids, stored dtype   (not the sample count:
               extraction grows a prefix of the prepared order)
     vocab     prepared data, holdout_samples, num_samples, draft_vocab_size
@@ -25,8 +27,12 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 from eagle3x import artifacts, verifier
-from eagle3x.config.schema import Eagle3xConfig, Stage
+from eagle3x.config.schema import Eagle3xConfig, Responses, Stage
 from eagle3x.verifier import VerifierInfo
+
+
+#: The regenerated conversations inside their artifact folder (messages jsonl).
+REGENERATED = "conversations.jsonl"
 
 
 class PlanError(artifacts.ArtifactError):
@@ -68,13 +74,19 @@ class Source:
     format: str
     seed: int
     max_seq_len: int
-    #: content fingerprint of the file or folder; None when it cannot be read
+    #: content fingerprint of the file or folder (of the regenerated artifact, for
+    #: regenerated replies); None when it cannot be read
     fingerprint: Optional[str]
+    #: extra chat-template arguments (data.chat_template_kwargs)
+    template_kwargs: Dict[str, Any] = field(default_factory=dict)
 
     def settings(self) -> Dict[str, Any]:
         """What decides the prepared data, as json (recorded in its manifest)."""
-        return {"data": str(self.path), "format": self.format, "seed": self.seed,
-                "max_seq_len": self.max_seq_len}
+        out = {"data": str(self.path), "format": self.format, "seed": self.seed,
+               "max_seq_len": self.max_seq_len}
+        if self.template_kwargs:  # absent when empty: earlier fingerprints stay valid
+            out["chat_template_kwargs"] = dict(self.template_kwargs)
+        return out
 
 
 @dataclass(frozen=True)
@@ -162,7 +174,12 @@ class RunPlan:
     stage: Stage
     verifier: VerifierRef
     aux_layer_ids: Tuple[int, ...]
+    #: what prepare reads: the data's conversations, or the regenerated ones
     source: Source
+    #: the data's own conversations (what regenerate reads)
+    original: Source
+    #: the verifier's regenerated replies (built only with stage regenerate)
+    regenerated: ArtifactRef
     prepared: ArtifactRef
     hidden: ArtifactRef
     vocab: ArtifactRef
@@ -191,6 +208,8 @@ class RunPlan:
                          "vocab_size": self.verifier.info.vocab_size},
             "aux_layer_ids": list(self.aux_layer_ids),
             "data": {**self.source.settings(), "fingerprint": self.source.fingerprint},
+            "regenerated": {**ref(self.regenerated), "from": str(self.original.path),
+                            "used": self.source is not self.original},
             "split": {"holdout_samples": self.split.holdout,
                       "num_samples": self.split.num_samples,
                       "min_samples": self.split.min_samples},
@@ -227,14 +246,31 @@ def resolve(cfg: Eagle3xConfig, run_dir: Optional[Path] = None,
     aux = tuple(verifier.aux_layers(cfg.extract.aux_layer_ids, info.num_layers))
 
     data = _abs(cfg.data.path)
-    source = Source(data, cfg.data.format.value, cfg.data.seed, cfg.extract.max_seq_len,
-                    artifacts.file_fingerprint(data) if data.exists() else None)
+    kwargs = dict(cfg.data.chat_template_kwargs or {})
+    original = Source(data, cfg.data.format.value, cfg.data.seed, cfg.extract.max_seq_len,
+                      artifacts.file_fingerprint(data) if data.exists() else None, kwargs)
+    store = _abs(cfg.paths.artifacts)
+    regen_fp = None
+    if original.fingerprint is not None:
+        settings = config_record(cfg.regenerate)
+        settings.pop("output_dir")
+        regen_fp = artifacts.digest({"data": original.fingerprint, "format": original.format,
+                                     "verifier": vref.fingerprint, "settings": settings,
+                                     "chat_template_kwargs": kwargs})
+    if cfg.regenerate.output_dir:
+        regenerated = ArtifactRef("regenerated", _abs(cfg.regenerate.output_dir), regen_fp, True)
+    else:
+        regenerated = ArtifactRef("regenerated", store / "regenerated" / str(regen_fp),
+                                  regen_fp, False)
+    source = original
+    if cfg.data.responses is Responses.regenerated:
+        source = Source(regenerated.folder / REGENERATED, "messages", cfg.data.seed,
+                        cfg.extract.max_seq_len, regenerated.fingerprint, kwargs)
     prepared_fp = None
     if source.fingerprint is not None:
         prepared_fp = artifacts.digest({"data": source.fingerprint, "verifier": vref.fingerprint,
                                         **{k: v for k, v in source.settings().items()
                                            if k != "data"}})
-    store = _abs(cfg.paths.artifacts)
 
     def place(kind: str, explicit: Optional[str], fp: Optional[str], key: str) -> ArtifactRef:
         if explicit:
@@ -267,7 +303,8 @@ def resolve(cfg: Eagle3xConfig, run_dir: Optional[Path] = None,
     else:
         out = _abs(run_dir) if run_dir is not None else _abs("outputs") / "train"
     return RunPlan(
-        stage=cfg.stage, verifier=vref, aux_layer_ids=aux, source=source, prepared=prepared,
+        stage=cfg.stage, verifier=vref, aux_layer_ids=aux, source=source, original=original,
+        regenerated=regenerated, prepared=prepared,
         hidden=hidden, vocab=vocab, hidden_dtype=cfg.extract.dtype.value,
         draft_vocab_size=cfg.vocab.draft_vocab_size,
         split=Split(cfg.data.holdout_samples, cfg.data.num_samples, cfg.extract.min_samples),

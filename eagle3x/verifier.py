@@ -50,6 +50,33 @@ def read_info(path: str | Path) -> VerifierInfo:
         return VerifierInfo.from_config(json.load(f))
 
 
+#: config.json keys vLLM reads for the context length, taking the smallest present
+#: (``derive_max_model_len_and_key`` in ``vllm/transformers_utils/
+#: model_arch_config_convertor.py``), and the rope types whose `factor` does not extend it
+#: (``_get_and_verify_max_len`` in ``vllm/config/model.py``).
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                "model_max_length", "max_target_positions", "max_sequence_length",
+                "max_seq_length", "seq_len")
+UNSCALED_ROPE = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
+def verifier_context(raw: dict) -> Optional[int]:
+    """The longest sequence vLLM will accept for a verifier with this config.json."""
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    found = [int(text[k]) for k in CONTEXT_KEYS if isinstance(text.get(k), (int, float))]
+    if not found:
+        return None
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    params = [v for v in rope.values() if isinstance(v, dict)] if all(
+        isinstance(v, dict) for v in rope.values()) and rope else [rope]
+    factor = 1.0
+    for rp in params:
+        kind = rp.get("rope_type") or rp.get("type") or "default"
+        if kind not in UNSCALED_ROPE and rp.get("factor"):
+            factor = float(rp["factor"])
+    return int(min(found) * factor)
+
+
 def default_aux_layers(num_layers: int) -> List[int]:
     """Low / middle / high decoder layers, as EAGLE-3 trainers choose them: [1, N//2-1, N-4],
     moved where they would collide or reach the last layer (whose output the serving

@@ -38,7 +38,18 @@ def test_what_each_command_runs():
     assert run(Stage.all) == ["prepare", "extract", "vocab", "train", "eval"]
     assert run(Stage.train) == ["prepare", "extract", "vocab", "train"]
     assert run(Stage.extract) == ["extract"] and run(Stage.export) == ["vocab", "export"]
+    assert run(Stage.regenerate) == ["regenerate"] and run(Stage.prepare) == ["prepare"]
     assert BY_NAME["eval"].before == ()
+
+
+def test_regenerated_replies_put_regenerate_before_prepare():
+    from tests.helpers import settings_for
+
+    regen = settings_for(["stage=all", "data.responses=regenerated"])
+    assert [s.name for s in stages_for(Stage.all, regen)][:2] == ["regenerate", "prepare"]
+    assert [s.name for s in stages_for(Stage.prepare, regen)] == ["regenerate", "prepare"]
+    plain = settings_for(["stage=all"])
+    assert "regenerate" not in [s.name for s in stages_for(Stage.all, plain)]
 
 
 def test_help_lists_the_stages_of_the_enum():
@@ -58,7 +69,7 @@ LAYERS = [
     ("eagle3x.config.preflight", 3), ("eagle3x.tracking", 3),
     ("eagle3x.stages", 4),
     ("eagle3x.pipeline", 5),
-    ("eagle3x.__main__", 6), ("eagle3x.compare", 6),
+    ("eagle3x.__main__", 6), ("eagle3x.compare", 6), ("eagle3x.inspect", 6),
 ]
 
 

@@ -20,7 +20,7 @@ from eagle3x.config.problems import Problem
 from eagle3x.config.schema import EngineName, Eagle3xConfig, LoggerName
 from eagle3x.data.conversations import check_source, count_records
 from eagle3x.plan import PlanError, RunPlan, Resume, read_verifier_info, resolve
-from eagle3x.verifier import VerifierInfo, read_info
+from eagle3x.verifier import VerifierInfo, read_info, verifier_context
 
 #: Bytes per stored hidden value, by extract.dtype.
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -322,12 +322,15 @@ def _extraction_pending(w: World) -> bool:
 
 
 def engine_memory(w: World) -> List[Problem]:
-    """extract (engine=vllm, with work to do) and eval (eval.live): the memory vLLM will
-    reserve is free now (rules in eagle3x.config.machine)."""
+    """extract and regenerate (engine=vllm, with work to do) and eval (eval.live): the
+    memory vLLM will reserve is free now (rules in eagle3x.config.machine)."""
     from eagle3x.config import machine
 
-    starts = ((w.cfg.engine.name is EngineName.vllm and "extract" in w.runs
-               and _extraction_pending(w)) or ("eval" in w.runs and w.cfg.eval.live))
+    vllm = w.cfg.engine.name is EngineName.vllm
+    regenerating = (vllm and "regenerate" in w.runs and w.plan is not None
+                    and artifacts.complete_manifest(w.plan.regenerated.folder) is None)
+    starts = ((vllm and "extract" in w.runs and _extraction_pending(w)) or regenerating
+              or ("eval" in w.runs and w.cfg.eval.live))
     if not starts:
         return []
     util = w.cfg.engine.gpu_memory_utilization
@@ -346,33 +349,6 @@ def engine_memory(w: World) -> List[Problem]:
                     f"{human_bytes(m.available)} is free now ({kind} build).",
                     value=str(util), where=_given(w, "engine.gpu_memory_utilization"),
                     hint=f"engine.gpu_memory_utilization={fits:.2f} or lower, or free memory")]
-
-
-#: config.json keys vLLM reads for the context length, taking the smallest present
-#: (``derive_max_model_len_and_key`` in ``vllm/transformers_utils/
-#: model_arch_config_convertor.py``), and the rope types whose `factor` does not extend it
-#: (``_get_and_verify_max_len`` in ``vllm/config/model.py``).
-CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
-                "model_max_length", "max_target_positions", "max_sequence_length",
-                "max_seq_length", "seq_len")
-UNSCALED_ROPE = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
-
-
-def verifier_context(raw: dict) -> Optional[int]:
-    """The longest sequence vLLM will accept for a verifier with this config.json."""
-    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
-    found = [int(text[k]) for k in CONTEXT_KEYS if isinstance(text.get(k), (int, float))]
-    if not found:
-        return None
-    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-    params = [v for v in rope.values() if isinstance(v, dict)] if all(
-        isinstance(v, dict) for v in rope.values()) and rope else [rope]
-    factor = 1.0
-    for rp in params:
-        kind = rp.get("rope_type") or rp.get("type") or "default"
-        if kind not in UNSCALED_ROPE and rp.get("factor"):
-            factor = float(rp["factor"])
-    return int(min(found) * factor)
 
 
 def context_length(w: World) -> List[Problem]:

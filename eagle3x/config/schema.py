@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from omegaconf import MISSING
 
@@ -45,6 +45,7 @@ def at_least(low: int, default: Any, why: str = "") -> Any:
 class Stage(Enum):
     """The pipeline stages ``python -m eagle3x stage=...`` can run."""
 
+    regenerate = "regenerate"
     prepare = "prepare"
     extract = "extract"
     vocab = "vocab"
@@ -76,6 +77,23 @@ class DataFormat(Enum):
     auto = "auto"
     sharegpt = "sharegpt"
     messages = "messages"
+
+
+class Responses(Enum):
+    """Which assistant replies prepare trains on."""
+
+    original = "original"
+    regenerated = "regenerated"
+
+
+class Turns(Enum):
+    all = "all"
+    last = "last"
+
+
+class OnLength(Enum):
+    keep = "keep"
+    drop = "drop"
 
 
 class LoggerName(Enum):
@@ -113,6 +131,12 @@ class DataConfig:
     holdout_samples: int = at_least(0, 64)
     num_samples: Optional[int] = at_least(1, None, "must be at least 1, or null for all")
     seed: int = 0
+    # original: train on the replies in the data; regenerated: on the verifier's own replies
+    # (stage regenerate writes them; stage=all / train / prepare run it first).
+    responses: Responses = Responses.original
+    # Extra arguments of the verifier's chat template (e.g. {enable_thinking: false} for
+    # Qwen3), used by regenerate and prepare alike, so the trained template is the served one.
+    chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -129,6 +153,25 @@ class EngineConfig:
     quantization: Optional[str] = None
     # hf engine: torch device ("auto" = cuda when visible, else cpu).
     device: str = "auto"
+
+
+@dataclass
+class RegenerateConfig:
+    """The verifier rewrites the assistant turns (stage regenerate)."""
+
+    # all: every assistant turn, each conditioned on the regenerated ones before it;
+    # last: only the final assistant turn.
+    turns: Turns = Turns.all
+    temperature: float = checked(0.0, lambda v: v >= 0, "must be >= 0 (0: greedy)")
+    top_p: float = checked(1.0, lambda v: 0 < v <= 1, "must be in (0, 1]")
+    max_new_tokens: int = at_least(1, 1024)
+    seed: int = 0
+    # Conversations per chunk: the unit written atomically and skipped on resume.
+    chunk_size: int = at_least(1, 256)
+    # A reply that hits max_new_tokens: keep it (marked) or drop the conversation.
+    on_length: OnLength = OnLength.keep
+    # Default: <paths.artifacts>/regenerated/<fingerprint>.
+    output_dir: Optional[str] = None
 
 
 @dataclass
@@ -244,6 +287,7 @@ class Eagle3xConfig:
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
     data: DataConfig = field(default_factory=DataConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
     extract: ExtractConfig = field(default_factory=ExtractConfig)
     vocab: VocabConfig = field(default_factory=VocabConfig)

@@ -8,23 +8,33 @@ messages[:i+1]; a token is an assistant token when it starts inside such a span.
 
 from __future__ import annotations
 
-from typing import Any, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from eagle3x.data.conversations import DataError
 
 
-def assistant_spans(tokenizer: Any, messages: Sequence[dict], where: str) -> Tuple[str, List[Tuple[int, int]]]:
-    """The rendered text and the [start, end) character spans of assistant replies."""
-    def render(msgs: Sequence[dict], gen: bool) -> str:
-        return tokenizer.apply_chat_template(list(msgs), tokenize=False, add_generation_prompt=gen)
+def render(tokenizer: Any, messages: Sequence[dict], generation_prompt: bool,
+           template_kwargs: Optional[Dict[str, Any]] = None) -> str:
+    """The chat template's text for `messages` (data.chat_template_kwargs passed through)."""
+    return tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                         add_generation_prompt=generation_prompt,
+                                         **(template_kwargs or {}))
 
-    text = render(messages, False)
+
+def assistant_spans(tokenizer: Any, messages: Sequence[dict], where: str,
+                    template_kwargs: Optional[Dict[str, Any]] = None
+                    ) -> Tuple[str, List[Tuple[int, int]]]:
+    """The rendered text and the [start, end) character spans of assistant replies."""
+    def render_(msgs: Sequence[dict], gen: bool) -> str:
+        return render(tokenizer, msgs, gen, template_kwargs)
+
+    text = render_(messages, False)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        start_text = render(messages[:i], True)
-        end_text = render(messages[: i + 1], False)
+        start_text = render_(messages[:i], True)
+        end_text = render_(messages[: i + 1], False)
         if not (text.startswith(start_text) and text.startswith(end_text)):
             raise DataError(f"{where}: the chat template does not render turn {i} as a prefix "
                             "of the conversation, so assistant tokens cannot be located")
@@ -32,9 +42,10 @@ def assistant_spans(tokenizer: Any, messages: Sequence[dict], where: str) -> Tup
     return text, spans
 
 
-def encode(tokenizer: Any, messages: Sequence[dict], max_seq_len: int, where: str) -> Tuple[List[int], List[int], bool]:
+def encode(tokenizer: Any, messages: Sequence[dict], max_seq_len: int, where: str,
+           template_kwargs: Optional[Dict[str, Any]] = None) -> Tuple[List[int], List[int], bool]:
     """Token ids, loss mask (1 = assistant token) and whether the sample was truncated."""
-    text, spans = assistant_spans(tokenizer, messages, where)
+    text, spans = assistant_spans(tokenizer, messages, where, template_kwargs)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
     mask = []

@@ -44,7 +44,8 @@ def build(plan: RunPlan) -> Outcome:
     for k in tqdm(order, desc="prepare", unit="conv", disable=len(convs) < 2000,
                   file=console.stream()):
         conv = convs[k]
-        t_ids, t_mask, cut = encode(tok, conv.messages, src.max_seq_len, f"{where}:{conv.line}")
+        t_ids, t_mask, cut = encode(tok, conv.messages, src.max_seq_len, f"{where}:{conv.line}",
+                                    src.template_kwargs)
         if not any(t_mask):
             dropped += 1  # truncation removed every assistant token
             continue

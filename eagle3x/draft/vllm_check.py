@@ -48,7 +48,7 @@ def check(verifier: str, draft: str, prompts: Sequence[List[int]], k: int = 3,
     base = LLM(model=verifier, dtype=dtype, max_model_len=longest, enforce_eager=True,
                gpu_memory_utilization=memory)
     outs = base.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-                         SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                         SamplingParams(max_tokens=max_tokens, temperature=0.0),
                          use_tqdm=False)
     plain = [list(o.outputs[0].token_ids) for o in outs]
     base.llm_engine.engine_core.shutdown()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from eagle3x.config import machine
-from eagle3x.config.preflight import verifier_context
+from eagle3x.verifier import verifier_context
 from tests.config.test_refusals import refused
 
 NO_GPU = {"EAGLE3X_GPU_COUNT": "0"}

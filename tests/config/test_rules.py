@@ -43,7 +43,8 @@ BAD = {"data.holdout_samples": -1, "data.num_samples": 0, "engine.tensor_paralle
        "train.batch_size": 0, "train.num_workers": -1, "trainer.max_steps": 0,
        "trainer.max_epochs": 0, "trainer.accumulate_grad_batches": 0,
        "trainer.log_every_n_steps": 0, "eval.depth": 0, "eval.max_samples": 0,
-       "eval.prompts": 0, "eval.max_new_tokens": 1,
+       "eval.prompts": 0, "eval.max_new_tokens": 1, "regenerate.temperature": -1.0,
+       "regenerate.top_p": 0.0, "regenerate.max_new_tokens": 0, "regenerate.chunk_size": 0,
        "logger.mode": "sometimes"}
 
 

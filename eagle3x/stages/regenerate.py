@@ -1,0 +1,35 @@
+"""Stage `regenerate`: the verifier writes the assistant turns anew (eagle3x.data.regenerate).
+
+Runs before prepare when ``data.responses=regenerated`` (then prepare reads the result), or
+on its own. Engine: vLLM offline with prefix caching (``engine=vllm``, the same ``engine.*``
+settings and tensor parallelism as extraction) or transformers (``engine=hf``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from eagle3x.artifacts import Outcome
+from eagle3x.config.schema import EngineConfig, EngineName, RegenerateConfig
+from eagle3x.plan import RunPlan
+
+
+def run(plan: RunPlan, regenerate: RegenerateConfig, engine: EngineConfig) -> Outcome:
+    from eagle3x.data.regenerate import _context, regenerate as make
+    from eagle3x.verifier import ensure, load_tokenizer
+
+    ensure(plan.verifier.path, plan.verifier.tiny)
+
+    def open_generator():
+        from eagle3x.engines.generate import HFGenerator, VLLMGenerator, stop_ids
+
+        stops = stop_ids(plan.verifier.path, load_tokenizer(plan.verifier.path,
+                                                            plan.verifier.trust_remote_code))
+        if engine.name is EngineName.hf:
+            return HFGenerator(plan.verifier.path, engine.dtype, engine.device,
+                               plan.verifier.trust_remote_code, stops)
+        options = {k: v for k, v in dataclasses.asdict(engine).items() if k not in ("name", "device")}
+        options["trust_remote_code"] = plan.verifier.trust_remote_code
+        return VLLMGenerator(plan.verifier.path, options, _context(plan), stops)
+
+    return make(plan, regenerate, open_generator)
