@@ -14,7 +14,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 from omegaconf import DictConfig, OmegaConf
 
 from eagle3x.config.problems import Problem, closest, did_you_mean
-from eagle3x.config.schema import ALIASES, GROUPS
+from eagle3x.config.schema import ALIASES, GROUPS, OPEN_DICTS
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 
@@ -207,6 +207,18 @@ def compose_checked(overrides: Sequence[str]) -> Tuple[Optional[DictConfig], Lis
     for o in value_args:
         key = o.key_or_group
         if key.startswith("hydra.") or o.is_delete():
+            continue
+        open_parent = next((p for p in OPEN_DICTS if key.startswith(p + ".")), None)
+        if open_parent and not has_key(base, key):
+            if o.is_add():
+                OmegaConf.update(base, key, o.value(), merge=True)
+                continue
+            leaf = key[len(open_parent) + 1:]
+            problems.append(Problem(key, f"`{open_parent}` holds your own keys; add one with "
+                                         f"`+` (Hydra's rule for new keys).", value=_value_text(o),
+                                    where="command line",
+                                    hint=f"+{key}={_value_text(o)}  or  "
+                                         f"{open_parent}={{{leaf}:{_value_text(o)}}}"))
             continue
         if not has_key(base, key):
             parent = key.rpartition(".")[0]

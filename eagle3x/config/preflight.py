@@ -191,8 +191,8 @@ def _split(cfg: Eagle3xConfig, runs: Sequence[str]) -> List[Problem]:
     """The held-out + training samples must exist in the conversations."""
     n = count_records(cfg.data.path) if Path(cfg.data.path).is_file() else None
     hold, want = cfg.data.holdout_samples, cfg.data.num_samples or 1
-    # prepare reads every conversation; the held-out/training split binds later stages.
-    split_matters = list(runs) != ["prepare"] or cfg.data.num_samples is not None
+    # prepare and regenerate read every conversation; the split binds later stages.
+    split_matters = bool(set(runs) - {"prepare", "regenerate"}) or cfg.data.num_samples is not None
     if n is not None and split_matters and hold + want > n:
         key = "data.num_samples" if cfg.data.num_samples else "data.holdout_samples"
         return [Problem(key, f"asks for {hold} held-out + {want} training samples "

@@ -340,8 +340,17 @@ ALIASES = {
 }
 
 
+#: Dict fields whose keys the user chooses: `key.anything=value` is accepted below them.
+OPEN_DICTS = ("data.chat_template_kwargs",)
+
+
 def register() -> None:
     """Register the root schema in Hydra's ConfigStore (idempotent)."""
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(name="eagle3x_schema", node=Eagle3xConfig)
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.structured(Eagle3xConfig)
+    for key in OPEN_DICTS:  # their keys are the user's (a chat template's arguments)
+        OmegaConf.set_struct(OmegaConf.select(node, key), False)
+    ConfigStore.instance().store(name="eagle3x_schema", node=node)

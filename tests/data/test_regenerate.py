@@ -1,0 +1,89 @@
+"""Regeneration in-process (transformers): each reply is the verifier's own greedy
+continuation of the conversation so far, earlier turns already regenerated."""
+
+from __future__ import annotations
+
+import torch
+
+from eagle3x.config.schema import RegenerateConfig, Turns
+from eagle3x.data.conversations import Conversation
+
+CONVS = [Conversation(1, [{"role": "user", "content": "What is 12 plus 30?"},
+                       {"role": "assistant", "content": "It is forty-two, I think."},
+                       {"role": "user", "content": "And times 2?"},
+                       {"role": "assistant", "content": "Eighty-four."}]),
+         Conversation(2, [{"role": "system", "content": "You are a helpful assistant."},
+                       {"role": "user", "content": "Spell garden backwards."},
+                       {"role": "assistant", "content": "nedrag"}])]
+
+
+def greedy(model, ids, limit, stops):
+    """Argmax decoding written out, independent of transformers' generate()."""
+    ids, out = list(ids), []
+    with torch.no_grad():
+        for _ in range(limit):
+            t = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            if t in stops:
+                break
+            ids.append(t)
+            out.append(t)
+    return out
+
+
+def test_every_turn_is_the_verifiers_greedy_reply_to_the_regenerated_past(tiny_verifier):
+    from transformers import AutoModelForCausalLM
+
+    from eagle3x.data.chat import render
+    from eagle3x.data.regenerate import regenerate_chunk
+    from eagle3x.engines.generate import HFGenerator, stop_ids
+    from eagle3x.verifier import load_tokenizer
+
+    tok = load_tokenizer(tiny_verifier)
+    stops = stop_ids(tiny_verifier, tok)
+    assert stops == {tok.eos_token_id}
+    settings = RegenerateConfig(max_new_tokens=12)
+    gen = HFGenerator(tiny_verifier, "float32", "cpu", False, stops)
+    records, counts = regenerate_chunk(gen, tok, CONVS, 0, settings, {}, 2048)
+    assert counts["replies"] == 3 and len(records) == 2
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_verifier), dtype=torch.float32).eval()
+    for conv, rec in zip(CONVS, records):
+        got = rec["messages"]
+        assert [m["role"] for m in got] == [m["role"] for m in conv.messages]
+        for i, m in enumerate(got):
+            if m["role"] != "assistant":
+                assert m == conv.messages[i]  # other turns kept
+                continue
+            prompt = tok(render(tok, got[:i], True), add_special_tokens=False).input_ids
+            want = tok.decode(greedy(model, prompt, 12, stops), skip_special_tokens=True).strip()
+            assert m["content"] == want and m["content"] != conv.messages[i]["content"]
+
+
+def test_last_turn_only_keeps_the_earlier_replies(tiny_verifier):
+    from eagle3x.data.regenerate import regenerate_chunk
+    from eagle3x.engines.generate import HFGenerator, stop_ids
+    from eagle3x.verifier import load_tokenizer
+
+    tok = load_tokenizer(tiny_verifier)
+    gen = HFGenerator(tiny_verifier, "float32", "cpu", False, stop_ids(tiny_verifier, tok))
+    records, counts = regenerate_chunk(gen, tok, CONVS[:1], 0,
+                                       RegenerateConfig(max_new_tokens=6, turns=Turns.last), {}, 2048)
+    got = records[0]["messages"]
+    assert counts["replies"] == 1 and got[1] == CONVS[0].messages[1]
+    assert got[3]["content"] != CONVS[0].messages[3]["content"]
+
+
+def test_a_reply_at_the_token_limit_is_marked_and_can_be_dropped(tiny_verifier):
+    from eagle3x.config.schema import OnLength
+    from eagle3x.data.regenerate import regenerate_chunk
+    from eagle3x.engines.generate import HFGenerator, stop_ids
+    from eagle3x.verifier import load_tokenizer
+
+    tok = load_tokenizer(tiny_verifier)
+    gen = HFGenerator(tiny_verifier, "float32", "cpu", False, stop_ids(tiny_verifier, tok))
+    kept, counts = regenerate_chunk(gen, tok, CONVS, 0, RegenerateConfig(max_new_tokens=2), {}, 2048)
+    assert counts["hit_length"] == 3 and all(r["hit_length"] for r in kept) and len(kept) == 2
+    dropped, counts = regenerate_chunk(gen, tok, CONVS, 0,
+                                       RegenerateConfig(max_new_tokens=2, on_length=OnLength.drop),
+                                       {}, 2048)
+    assert dropped == [] and counts["dropped"]["hit_length"] == 2
