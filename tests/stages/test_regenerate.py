@@ -28,8 +28,8 @@ def small_data(folder: Path) -> Path:
     return write_jsonl(folder / "chats.jsonl", records)
 
 
-def args(data: Path, out: Path, *extra: str) -> list:
-    return ["stage=regenerate", "engine=hf", f"data.path={data}", "data=jsonl",
+def args(data: Path, out: Path, *extra: str, engine: str = "hf") -> list:
+    return ["stage=regenerate", f"engine={engine}", f"data.path={data}", "data=jsonl",
             "regenerate.max_new_tokens=8", "regenerate.chunk_size=2",
             f"regenerate.output_dir={out}", *extra]
 
@@ -71,8 +71,8 @@ def test_vllm_and_transformers_write_the_same_greedy_replies(cli, store, tmp_pat
     pytest.importorskip("vllm")
     data = small_data(tmp_path)
     hf = cli(*args(data, tmp_path / "hf", "engine.dtype=float32"))
-    vl = cli(*args(data, tmp_path / "vllm", "engine.dtype=float32"), "engine=vllm",
-             "engine.enforce_eager=true", "engine.gpu_memory_utilization=0.3")
+    vl = cli(*args(data, tmp_path / "vllm", "engine.dtype=float32", "engine.enforce_eager=true",
+                   "engine.gpu_memory_utilization=0.3", engine="vllm"))
     assert hf.returncode == 0 and vl.returncode == 0, vl.stderr[-3000:]
     rows = [[json.loads(x) for x in (tmp_path / d / "conversations.jsonl").read_text().splitlines()]
             for d in ("hf", "vllm")]
