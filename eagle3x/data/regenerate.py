@@ -154,7 +154,10 @@ def regenerate(plan: RunPlan, settings: RegenerateConfig,
                 if generator is None:
                     log.info("regenerating %d conversations in %d chunks (%d done) into %s",
                              len(convs), n_chunks, len(done), out)
+                    started = time.perf_counter()
                     generator = open_generator()
+                    log.info("engine ready in %.1fs", time.perf_counter() - started)
+                    t0 = time.perf_counter()  # tokens/s without the engine start
                 part = convs[c * size:(c + 1) * size]
                 records, counts = regenerate_chunk(generator, tok, part, c * size, settings,
                                                    dict(plan.original.template_kwargs), context)
