@@ -141,7 +141,7 @@ def regenerate(plan: RunPlan, settings: RegenerateConfig,
                 if not artifacts.check_entry(out, c, full=False)}
         m["chunks"] = [c for c in m["chunks"] if c["index"] in done]
         tok = load_tokenizer(plan.verifier.path, plan.verifier.trust_remote_code)
-        context = _context(plan)
+        context = context_length(plan)
         generator = None
         bar = tqdm(total=len(convs), initial=min(len(done) * size, len(convs)),
                    desc="regenerate", unit="conv", file=console.stream(),
@@ -175,7 +175,8 @@ def regenerate(plan: RunPlan, settings: RegenerateConfig,
         return _finish(out, m, len(convs), new_tokens, time.perf_counter() - t0)
 
 
-def _context(plan: RunPlan) -> int:
+def context_length(plan: RunPlan) -> int:
+    """The longest sequence the verifier takes (config.json, as vLLM reads it; 4096 if unknown)."""
     from eagle3x.verifier import verifier_context
 
     return verifier_context(plan.verifier.info.raw) or 4096

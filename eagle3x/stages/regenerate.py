@@ -15,7 +15,7 @@ from eagle3x.plan import RunPlan
 
 
 def run(plan: RunPlan, regenerate: RegenerateConfig, engine: EngineConfig) -> Outcome:
-    from eagle3x.data.regenerate import _context, regenerate as make
+    from eagle3x.data.regenerate import context_length, regenerate as make
     from eagle3x.verifier import ensure, load_tokenizer
 
     ensure(plan.verifier.path, plan.verifier.tiny)
@@ -30,6 +30,6 @@ def run(plan: RunPlan, regenerate: RegenerateConfig, engine: EngineConfig) -> Ou
                                plan.verifier.trust_remote_code, stops)
         options = {k: v for k, v in dataclasses.asdict(engine).items() if k not in ("name", "device")}
         options["trust_remote_code"] = plan.verifier.trust_remote_code
-        return VLLMGenerator(plan.verifier.path, options, _context(plan), stops)
+        return VLLMGenerator(plan.verifier.path, options, context_length(plan), stops)
 
     return make(plan, regenerate, open_generator)
