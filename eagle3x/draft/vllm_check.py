@@ -43,6 +43,7 @@ def check(verifier: str, draft: str, prompts: Sequence[List[int]], k: int = 3,
     from vllm.inputs import TokensPrompt
 
     from eagle3x.draft.live import ServedDraft, served_counts
+    from eagle3x.engines.base import shutdown_llm
 
     longest = max(map(len, prompts)) + max_tokens + k + 2
     base = LLM(model=verifier, dtype=dtype, max_model_len=longest, enforce_eager=True,
@@ -51,7 +52,7 @@ def check(verifier: str, draft: str, prompts: Sequence[List[int]], k: int = 3,
                          SamplingParams(max_tokens=max_tokens, temperature=0.0),
                          use_tqdm=False)
     plain = [list(o.outputs[0].token_ids) for o in outs]
-    base.llm_engine.engine_core.shutdown()
+    shutdown_llm(base)
     del base
     gc.collect()
     served = ServedDraft(Path(verifier), Path(draft), k,

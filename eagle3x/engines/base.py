@@ -26,6 +26,15 @@ class HiddenStateEngine(Protocol):
         """Free the engine's memory and processes."""
 
 
+def shutdown_llm(llm: object) -> None:
+    """Stop a vllm.LLM's engine processes now (not at garbage collection), freeing their
+    memory before the next engine starts; a no-op for None."""
+    engine = getattr(llm, "llm_engine", None)
+    shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
+    if callable(shutdown):
+        shutdown()
+
+
 def open_engine(settings: "EngineConfig", verifier: "VerifierRef", aux_ids: Sequence[int],
                 max_seq_len: int, scratch: Path) -> HiddenStateEngine:
     """The engine `settings.name` chooses, loaded with the verifier (slow: minutes on big models).

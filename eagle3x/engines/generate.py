@@ -89,10 +89,9 @@ class VLLMGenerator:
         return replies
 
     def close(self) -> None:
-        engine = getattr(getattr(self, "llm", None), "llm_engine", None)
-        shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
-        if callable(shutdown):
-            shutdown()
+        from eagle3x.engines.base import shutdown_llm
+
+        shutdown_llm(getattr(self, "llm", None))
         self.llm = None
 
 

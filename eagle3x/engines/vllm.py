@@ -100,11 +100,10 @@ class VLLMEngine:
         return results
 
     def close(self) -> None:
+        from eagle3x.engines.base import shutdown_llm
+
         llm = getattr(self, "llm", None)
         if llm is not None:
-            engine = getattr(llm, "llm_engine", None)
-            shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
-            if callable(shutdown):
-                shutdown()
+            shutdown_llm(llm)
             del self.llm
         shutil.rmtree(self.scratch, ignore_errors=True)
