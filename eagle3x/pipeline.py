@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from eagle3x.artifacts import Outcome
 from eagle3x.config import preflight
 from eagle3x.config.problems import EXIT_REFUSED, Problem, Refused
-from eagle3x.config.schema import Eagle3xConfig, Responses, Stage
+from eagle3x.config.schema import EngineName, Eagle3xConfig, Responses, Stage
 from eagle3x.plan import RunPlan, resolve
 from eagle3x.stages import evaluate, export, extract, prepare, regenerate, train, vocab
 
@@ -46,11 +46,20 @@ class StageSpec:
     #: startup checks of the world this stage meets (eagle3x.config.preflight)
     checks: Tuple[preflight.Check, ...] = ()
     #: a check that needs the stage's heavy library, run before any stage of the command
-    #: starts: precheck(settings) -> problems
-    precheck: Optional[Callable[[Eagle3xConfig], List[Problem]]] = None
+    #: starts: precheck(plan, settings) -> problems
+    precheck: Optional[Callable[[RunPlan, Eagle3xConfig], List[Problem]]] = None
     #: when set, the stage runs as part of another command (`before`, `stage=all`) only
     #: if when(settings) holds; asked for by name it always runs
     when: Optional[Callable[[Eagle3xConfig], bool]] = None
+
+
+def _vllm_support(plan: RunPlan) -> List[Problem]:
+    """extract (engine=vllm) and eval.live: vLLM can give this verifier's aux states."""
+    from eagle3x.engines.vllm import eagle3_support_problem
+
+    why = eagle3_support_problem(plan.verifier.info.architectures)
+    return [Problem("engine", why, value="vllm", hint="engine=hf extracts it (transformers); "
+                    "serving needs an architecture vLLM supports EAGLE-3 for")] if why else []
 
 
 STAGES: Tuple[StageSpec, ...] = (
@@ -62,18 +71,21 @@ STAGES: Tuple[StageSpec, ...] = (
               checks=(preflight.chat_template, preflight.prepared_writable,
                       preflight.context_length)),
     StageSpec("extract", extract.run, sections=("extract", "engine"),
+              precheck=lambda p, s: _vllm_support(p) if (
+                  s.engine.name is EngineName.vllm and preflight.extraction_pending(p)) else [],
               checks=(preflight.gpus, preflight.devices, preflight.context_length,
                       preflight.prepared_exists, preflight.hidden_writable,
                       preflight.foreign_shards, preflight.disk, preflight.engine_memory)),
     StageSpec("vocab", vocab.run, checks=(preflight.vocab_inputs,)),
     StageSpec("train", train.run, sections=("train", "trainer", "logger", "extract"),
-              before=("regenerate", "prepare", "extract", "vocab"), precheck=lambda s: [
+              before=("regenerate", "prepare", "extract", "vocab"), precheck=lambda p, s: [
                   Problem("trainer", why) for why in [train.precheck(s.trainer)] if why],
               checks=(preflight.logger_installed, preflight.wandb_credentials,
                       preflight.trainer_devices, preflight.resume_checkpoint)),
     StageSpec("eval", evaluate.run, sections=("eval", "train", "extract", "engine"),
               checks=(preflight.foreign_shards, preflight.live_serving,
-                      preflight.engine_memory)),
+                      preflight.engine_memory),
+              precheck=lambda p, s: _vllm_support(p) if s.eval.live else []),
     StageSpec("export", export.run, sections=("train", "trainer"), before=("vocab",),
               in_all=False),
 )
@@ -98,7 +110,7 @@ def run_stages(plan: RunPlan, settings: Eagle3xConfig, stages: Sequence[StageSpe
                seconds: Optional[Dict[str, float]] = None) -> List[Outcome]:
     """Run `stages` in order for `plan`; each gets the plan and its config sections.
     Every stage's precheck runs first: problems raise `Refused` before anything starts."""
-    problems = [p for spec in stages if spec.precheck for p in spec.precheck(settings)]
+    problems = [x for spec in stages if spec.precheck for x in spec.precheck(plan, settings)]
     if problems:
         raise Refused(problems)
     outcomes = []

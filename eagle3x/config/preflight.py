@@ -300,23 +300,23 @@ def devices(w: World) -> List[Problem]:
     return problems
 
 
-def _extraction_pending(w: World) -> bool:
-    """Whether this command's extract stage will start an engine (its hidden states are
+def extraction_pending(plan: Optional[RunPlan]) -> bool:
+    """Whether an extract stage of this plan will start an engine (its hidden states are
     not already complete for the samples it needs)."""
-    if w.plan is None:
+    if plan is None:
         return True
     try:
-        m = artifacts.read_manifest(w.plan.hidden.folder)
+        m = artifacts.read_manifest(plan.hidden.folder)
     except artifacts.ArtifactError:
         return True
-    if m.get("fingerprint") != w.plan.hidden.fingerprint:
+    if m.get("fingerprint") != plan.hidden.fingerprint:
         return True
-    prepared = artifacts.complete_manifest(w.plan.prepared.folder)
+    prepared = artifacts.complete_manifest(plan.prepared.folder)
     available = prepared["stats"]["samples"] if prepared else None
     if available is None:
         return True
     try:
-        return m.get("samples", 0) < w.plan.split.extract_until(available)
+        return m.get("samples", 0) < plan.split.extract_until(available)
     except artifacts.ArtifactError:
         return True
 
@@ -329,7 +329,7 @@ def engine_memory(w: World) -> List[Problem]:
     vllm = w.cfg.engine.name is EngineName.vllm
     regenerating = (vllm and "regenerate" in w.runs and w.plan is not None
                     and artifacts.complete_manifest(w.plan.regenerated.folder) is None)
-    starts = ((vllm and "extract" in w.runs and _extraction_pending(w)) or regenerating
+    starts = ((vllm and "extract" in w.runs and extraction_pending(w.plan)) or regenerating
               or ("eval" in w.runs and w.cfg.eval.live))
     if not starts:
         return []

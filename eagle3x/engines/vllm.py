@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -21,6 +21,28 @@ from eagle3x.weights import FINAL_NORM_NAMES, find_tensor, rms_norm
 
 CONNECTOR = "Eagle3xHiddenStatesConnector"
 CONNECTOR_MODULE = "eagle3x.engines.vllm_connector"
+
+
+def eagle3_support_problem(architectures: Sequence[str]) -> Optional[str]:
+    """Why vLLM cannot hand out this verifier's aux hidden states, or None.
+
+    Extraction (`extract_hidden_states`) and EAGLE-3 serving both need the verifier's vLLM
+    model class to implement ``SupportsEagle3`` (``vllm/model_executor/models/interfaces.py``,
+    ``supports_eagle3``); without it vLLM fails after the engine has started ("Model does
+    not support EAGLE3 interface"). An architecture vLLM has no class for is left to vLLM.
+    """
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    for arch in architectures:
+        cls = ModelRegistry._try_load_model_cls(arch)
+        if cls is not None:
+            if supports_eagle3(cls):
+                return None
+            return (f"vLLM's model class for {arch} ({cls.__name__}) does not implement "
+                    "EAGLE-3 aux hidden states (SupportsEagle3), so vLLM can neither extract "
+                    "them nor serve a draft beside it.")
+    return None
 
 
 def engine_kwargs(verifier: Path, aux_ids: Sequence[int], num_layers: int, max_seq_len: int,

@@ -221,3 +221,22 @@ def test_datamodule_builds_missing_shards_and_batches_them(store, tiny_verifier)
     assert batch["aux_hidden"].shape == (4, t, 3 * 128) and batch["last_hidden"].shape == (4, t, 128)
     short = int(batch["lengths"].argmin())
     assert batch["loss_mask"][short, batch["lengths"][short]:].sum() == 0  # padding never trained
+
+
+@pytest.mark.vllm
+def test_a_verifier_vllm_cannot_take_aux_states_from_is_refused_before_prepare(cli, store,
+                                                                               tiny_verifier,
+                                                                               tmp_path):
+    """vLLM's Gemma3ForCausalLM lacks SupportsEagle3: today's vLLM would fail only after its
+    engine started. The architecture name is what vLLM's registry resolves."""
+    pytest.importorskip("vllm")
+    verifier = tmp_path / "gemma-named"
+    shutil.copytree(tiny_verifier, verifier)
+    cfg = json.loads((verifier / "config.json").read_text())
+    cfg["architectures"] = ["Gemma3ForCausalLM"]
+    (verifier / "config.json").write_text(json.dumps(cfg))
+    r = cli("stage=train", "verifier=local", f"verifier.path={verifier}", "experiment=tiny",
+            "engine=vllm", "logger=none")
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Gemma3ForCausalLM" in r.stderr and "SupportsEagle3" in r.stderr
+    assert not (store / "prepared").exists()
