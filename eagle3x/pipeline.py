@@ -194,5 +194,5 @@ def _finish_wandb() -> None:
                             or getattr(run.settings, "mode", None) == "offline"):
         folder = Path(run.dir).parent
         log.info("W&B offline run -> %s (upload: wandb sync %s)", folder, folder)
-    if wandb is not None and getattr(wandb, "run", None) is not None:
+    if run is not None:
         wandb.finish()

@@ -17,7 +17,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 from eagle3x import artifacts
 from eagle3x.config.problems import Problem
-from eagle3x.config.schema import EngineName, Eagle3xConfig, LoggerName
+from eagle3x.config.schema import EngineName, Eagle3xConfig, LoggerName, TrainerConfig
 from eagle3x.data.conversations import check_source, count_records
 from eagle3x.plan import PlanError, RunPlan, Resume, read_verifier_info, resolve
 from eagle3x.verifier import VerifierInfo, read_info, verifier_context
@@ -163,9 +163,8 @@ def preflight(cfg: Eagle3xConfig, runs: Sequence[str], checks: Sequence[Check],
         why = aux_layer_problem(ids, info.num_layers, info.architectures)
         if why:
             aux_ok = False
-            given = any(o.lstrip("+~").startswith("extract.aux_layer_ids=") for o in overrides)
             problems.append(Problem("extract.aux_layer_ids", why, value=str(ids),
-                                    where="command line" if given else None))
+                                    where=_given(overrides, "extract.aux_layer_ids")))
         if cfg.vocab.draft_vocab_size > info.vocab_size:
             problems.append(Problem("vocab.draft_vocab_size",
                                     f"larger than the verifier's vocabulary ({info.vocab_size}).",
@@ -265,7 +264,7 @@ def gpus(w: World) -> List[Problem]:
     if tp > 1 and tp > n:
         problems.append(Problem("engine.tensor_parallel_size",
                                 f"{tp} ranks, but this machine shows {n} GPU(s).",
-                                value=str(tp), where=_given(w, "engine.tensor_parallel_size"),
+                                value=str(tp), where=_given(w.overrides, "engine.tensor_parallel_size"),
                                 hint=f"use at most {max(n, 1)}"))
     if w.cfg.engine.name is EngineName.hf and tp > 1:
         problems.append(Problem("engine.tensor_parallel_size",
@@ -274,10 +273,14 @@ def gpus(w: World) -> List[Problem]:
     return problems
 
 
-def _given(w: World, key: str) -> Optional[str]:
+def _given(overrides: Sequence[str], key: str) -> Optional[str]:
     """'command line' when the command line sets `key` (else the config or a preset did)."""
     return "command line" if any(o.lstrip("+~").split("=", 1)[0] == key
-                                 for o in w.overrides) else None
+                                 for o in overrides) else None
+
+
+def _trains_on_cpu(t: TrainerConfig) -> bool:
+    return t.accelerator == "cpu" or (t.accelerator == "auto" and visible_gpus() == 0)
 
 
 def devices(w: World) -> List[Problem]:
@@ -288,14 +291,14 @@ def devices(w: World) -> List[Problem]:
     e = w.cfg.engine
     if e.name is EngineName.hf and e.device.startswith("cuda") and visible_gpus() == 0:
         problems.append(Problem("engine.device", "this machine shows no CUDA GPU (torch would "
-                                "fail after loading).", value=e.device, where=_given(w, "engine.device"),
+                                "fail after loading).", value=e.device, where=_given(w.overrides, "engine.device"),
                                 hint="engine.device=cpu, or auto (cuda when visible, else cpu)"))
     tp = e.tensor_parallel_size
     if w.info and e.name is EngineName.vllm and w.info.num_heads % tp:
         problems.append(Problem("engine.tensor_parallel_size",
                                 f"the verifier's {w.info.num_heads} attention heads do not "
                                 f"divide into {tp} ranks (vLLM refuses it after start).",
-                                value=str(tp), where=_given(w, "engine.tensor_parallel_size"),
+                                value=str(tp), where=_given(w.overrides, "engine.tensor_parallel_size"),
                                 hint="a divisor of " + str(w.info.num_heads)))
     return problems
 
@@ -347,7 +350,7 @@ def engine_memory(w: World) -> List[Problem]:
                     f"vLLM reserves this share of {m.where}'s {human_bytes(m.total)} "
                     f"({human_bytes(m.total * util)}) at start and refuses when less is free; "
                     f"{human_bytes(m.available)} is free now ({kind} build).",
-                    value=str(util), where=_given(w, "engine.gpu_memory_utilization"),
+                    value=str(util), where=_given(w.overrides, "engine.gpu_memory_utilization"),
                     hint=f"engine.gpu_memory_utilization={fits:.2f} or lower, or free memory")]
 
 
@@ -365,7 +368,7 @@ def context_length(w: World) -> List[Problem]:
     extra = " plus the one token vLLM generates after each" if need > w.cfg.extract.max_seq_len else ""
     return [Problem("extract.max_seq_len", f"samples this long{extra} do not fit the verifier's "
                     f"context of {context} positions (config.json).",
-                    value=str(w.cfg.extract.max_seq_len), where=_given(w, "extract.max_seq_len"),
+                    value=str(w.cfg.extract.max_seq_len), where=_given(w.overrides, "extract.max_seq_len"),
                     hint=f"extract.max_seq_len={context - (need - w.cfg.extract.max_seq_len)} or less")]
 
 
@@ -378,13 +381,12 @@ def trainer_devices(w: World) -> List[Problem]:
     problems = []
     if t.accelerator in ("gpu", "cuda") and gpus == 0:
         problems.append(Problem("trainer.accelerator", "this machine shows no CUDA GPU.",
-                                value=t.accelerator, where=_given(w, "trainer.accelerator"),
+                                value=t.accelerator, where=_given(w.overrides, "trainer.accelerator"),
                                 hint="trainer.accelerator=auto (GPUs when visible) or cpu"))
-    on_cpu = t.accelerator == "cpu" or (t.accelerator == "auto" and gpus == 0)
-    if not on_cpu and gpus and t.devices.isdigit() and int(t.devices) > gpus:
+    if not _trains_on_cpu(t) and gpus and t.devices.isdigit() and int(t.devices) > gpus:
         problems.append(Problem("trainer.devices", f"{t.devices} devices, but this machine "
                                 f"shows {gpus} GPU(s).", value=t.devices,
-                                where=_given(w, "trainer.devices"), hint=f"at most {gpus}, or auto"))
+                                where=_given(w.overrides, "trainer.devices"), hint=f"at most {gpus}, or auto"))
     return problems
 
 
@@ -404,7 +406,7 @@ def wandb_credentials(w: World) -> List[Problem]:
         pass
     return [Problem("logger.mode", f"online, but no W&B API key: WANDB_API_KEY is unset and "
                     f"{netrc} has no entry for {host}.", value="online",
-                    where=_given(w, "logger.mode") or (
+                    where=_given(w.overrides, "logger.mode") or (
                         "from environment variable WANDB_MODE" if os.environ.get("WANDB_MODE") else None),
                     hint="wandb login (or export WANDB_API_KEY=...), or logger.mode=offline")]
 
@@ -464,9 +466,7 @@ def notices(cfg: Eagle3xConfig, runs: Sequence[str]) -> List[str]:
                    "verifier's whenever their hidden sizes match (EAGLEWorkerV2.init_lm_head -> "
                    "set_embed), so under SGLang this draft runs with embeddings it was not "
                    "trained with.")
-    t = cfg.trainer
-    on_cpu = t.accelerator == "cpu" or (t.accelerator == "auto" and visible_gpus() == 0)
-    if "train" in runs and on_cpu and t.precision == "16-mixed":
+    if "train" in runs and _trains_on_cpu(cfg.trainer) and cfg.trainer.precision == "16-mixed":
         # lightning/pytorch/trainer/connectors/accelerator_connector.py,
         # _AcceleratorConnector._check_and_init_precision: a warning, then bf16-mixed
         out.append("trainer.precision=16-mixed on the CPU: Lightning trains in bf16-mixed "

@@ -9,7 +9,7 @@ verifier's lm_head reads.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Protocol, Sequence, Tuple
+from typing import Any, Dict, List, Protocol, Sequence, TYPE_CHECKING, Tuple
 
 import torch
 
@@ -35,6 +35,15 @@ def shutdown_llm(llm: object) -> None:
         shutdown()
 
 
+def vllm_options(settings: "EngineConfig", verifier: "VerifierRef") -> Dict[str, Any]:
+    """The `engine.*` settings vLLM takes, plus the verifier's trust_remote_code."""
+    import dataclasses
+
+    options = {k: v for k, v in dataclasses.asdict(settings).items() if k not in ("name", "device")}
+    options["trust_remote_code"] = verifier.trust_remote_code
+    return options
+
+
 def open_engine(settings: "EngineConfig", verifier: "VerifierRef", aux_ids: Sequence[int],
                 max_seq_len: int, scratch: Path) -> HiddenStateEngine:
     """The engine `settings.name` chooses, loaded with the verifier (slow: minutes on big models).
@@ -50,9 +59,5 @@ def open_engine(settings: "EngineConfig", verifier: "VerifierRef", aux_ids: Sequ
                         verifier.trust_remote_code)
     from eagle3x.engines.vllm import VLLMEngine
 
-    import dataclasses
-
-    options = {k: v for k, v in dataclasses.asdict(settings).items() if k not in ("name", "device")}
-    options["trust_remote_code"] = verifier.trust_remote_code
     return VLLMEngine(verifier.path, aux_ids, verifier.info.num_layers, verifier.rms_norm_eps,
-                      max_seq_len, options, scratch)
+                      max_seq_len, vllm_options(settings, verifier), scratch)

@@ -73,13 +73,11 @@ def held_out_prompts(plan: RunPlan, count: int) -> List[List[int]]:
 def live(plan: RunPlan, settings: EvalConfig, extract: ExtractConfig, engine: EngineConfig,
          draft_dir: Path, draft: Any, head: Any) -> Dict[str, Any]:
     """Serve the draft with vLLM on held-out prompts; compare with the exact offline replay."""
-    import dataclasses
-
     import torch
 
     from eagle3x.draft.live import ServedDraft, greedy_rounds, parity, served_counts, summarise
     from eagle3x.draft.ttt import chain_acceptance, shift
-    from eagle3x.engines.base import open_engine
+    from eagle3x.engines.base import open_engine, vllm_options
 
     depth, m = settings.depth, settings.max_new_tokens
     prompts = held_out_prompts(plan, settings.prompts)
@@ -87,8 +85,7 @@ def live(plan: RunPlan, settings: EvalConfig, extract: ExtractConfig, engine: En
         raise artifacts.ArtifactError(f"{plan.prepared.folder}: no held-out sample has a prompt "
                                       "before its first trained token (data.holdout_samples=0?)")
     longest = max(map(len, prompts)) + m + depth + 2
-    options = {k: v for k, v in dataclasses.asdict(engine).items() if k not in ("name", "device")}
-    options["trust_remote_code"] = plan.verifier.trust_remote_code
+    options = vllm_options(engine, plan.verifier)
     log.info("eval: serving %s with vLLM on %d held-out prompts (%d new tokens, %d speculative)",
              draft_dir, len(prompts), m, depth)
     served = ServedDraft(plan.verifier.path, draft_dir, depth, options, longest)

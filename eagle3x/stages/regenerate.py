@@ -7,8 +7,6 @@ settings and tensor parallelism as extraction) or transformers (``engine=hf``).
 
 from __future__ import annotations
 
-import dataclasses
-
 from eagle3x.artifacts import Outcome
 from eagle3x.config.schema import EngineConfig, EngineName, RegenerateConfig
 from eagle3x.plan import RunPlan
@@ -21,6 +19,7 @@ def run(plan: RunPlan, regenerate: RegenerateConfig, engine: EngineConfig) -> Ou
     ensure(plan.verifier.path, plan.verifier.tiny)
 
     def open_generator():
+        from eagle3x.engines.base import vllm_options
         from eagle3x.engines.generate import HFGenerator, VLLMGenerator, stop_ids
 
         stops = stop_ids(plan.verifier.path, load_tokenizer(plan.verifier.path,
@@ -28,8 +27,7 @@ def run(plan: RunPlan, regenerate: RegenerateConfig, engine: EngineConfig) -> Ou
         if engine.name is EngineName.hf:
             return HFGenerator(plan.verifier.path, engine.dtype, engine.device,
                                plan.verifier.trust_remote_code, stops)
-        options = {k: v for k, v in dataclasses.asdict(engine).items() if k not in ("name", "device")}
-        options["trust_remote_code"] = plan.verifier.trust_remote_code
-        return VLLMGenerator(plan.verifier.path, options, context_length(plan), stops)
+        return VLLMGenerator(plan.verifier.path, vllm_options(engine, plan.verifier),
+                             context_length(plan), stops)
 
     return make(plan, regenerate, open_generator)
