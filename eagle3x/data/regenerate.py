@@ -22,7 +22,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Set
 
 from eagle3x import artifacts, console
 from eagle3x.artifacts import Outcome
@@ -112,12 +112,15 @@ def _write_chunk(folder: Path, index: int, records: List[dict]) -> Dict[str, Any
 
 
 def regenerate(plan: RunPlan, settings: RegenerateConfig,
-               open_generator: Callable[[], Any]) -> Outcome:
-    """Make sure ``plan.regenerated.folder`` holds every conversation's regenerated replies."""
+               open_generator: Callable[[Set[int]], Any]) -> Outcome:
+    """Make sure ``plan.regenerated.folder`` holds every conversation's regenerated replies;
+    `open_generator(stop_ids)` loads the engine when there is work (the verifier's stop
+    tokens, read here with the tokenizer this function already loads)."""
     from filelock import FileLock
     from tqdm import tqdm
 
     from eagle3x.data.conversations import iter_conversations
+    from eagle3x.engines.generate import stop_ids
     from eagle3x.verifier import load_tokenizer
 
     out, fp = plan.regenerated.folder, plan.regenerated.fingerprint
@@ -155,7 +158,7 @@ def regenerate(plan: RunPlan, settings: RegenerateConfig,
                     log.info("regenerating %d conversations in %d chunks (%d done) into %s",
                              len(convs), n_chunks, len(done), out)
                     started = time.perf_counter()
-                    generator = open_generator()
+                    generator = open_generator(stop_ids(plan.verifier.path, tok))
                     log.info("engine ready in %.1fs", time.perf_counter() - started)
                     t0 = time.perf_counter()  # tokens/s without the engine start
                 part = convs[c * size:(c + 1) * size]

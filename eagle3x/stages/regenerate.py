@@ -14,16 +14,14 @@ from eagle3x.plan import RunPlan
 
 def run(plan: RunPlan, regenerate: RegenerateConfig, engine: EngineConfig) -> Outcome:
     from eagle3x.data.regenerate import context_length, regenerate as make
-    from eagle3x.verifier import ensure, load_tokenizer
+    from eagle3x.verifier import ensure
 
     ensure(plan.verifier.path, plan.verifier.tiny)
 
-    def open_generator():
+    def open_generator(stops):
         from eagle3x.engines.base import vllm_options
-        from eagle3x.engines.generate import HFGenerator, VLLMGenerator, stop_ids
+        from eagle3x.engines.generate import HFGenerator, VLLMGenerator
 
-        stops = stop_ids(plan.verifier.path, load_tokenizer(plan.verifier.path,
-                                                            plan.verifier.trust_remote_code))
         if engine.name is EngineName.hf:
             return HFGenerator(plan.verifier.path, engine.dtype, engine.device,
                                plan.verifier.trust_remote_code, stops)
