@@ -110,7 +110,14 @@ def _run_hydra() -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
+    from eagle3x.distributed import worker_argv
+
     argv = sys.argv[1:] if argv is None else list(argv)
+    job = worker_argv()
+    if job is not None:  # a training rank Lightning started: its job, already validated
+        sys.argv = [sys.argv[0], *job]
+        _run_hydra()
+        return
     wants_plan = "--plan" in argv
     argv = [a for a in argv if a != "--plan"]
     notes: List[str] = []

@@ -199,7 +199,7 @@ class Outcome:
     """What a stage did: built or reused (or wrote) which artifact, where."""
 
     kind: str
-    status: str  # "built" | "reused" | "wrote"
+    status: str  # "built" | "reused" | "wrote" | "rank" (a training rank other than 0)
     path: Path
 
 

@@ -120,8 +120,10 @@ def run_stages(plan: RunPlan, settings: Eagle3xConfig, stages: Sequence[StageSpe
         took = time.perf_counter() - t0
         if seconds is not None:
             seconds[spec.name] = round(took, 2)
-        log.info("stage %s done in %.1fs -> %s", spec.name, took, out.path)
         outcomes.append(out)
+        if out.status == "rank":  # a training rank other than 0 stops after training
+            break
+        log.info("stage %s done in %.1fs -> %s", spec.name, took, out.path)
     return outcomes
 
 
@@ -143,11 +145,14 @@ def run(cfg: Any) -> Optional[str]:
     settings = typed(cfg)
     seconds: Dict[str, float] = {}
     loud = settings.log.libraries or _hydra_verbose()
+    _share_job_with_ranks()
     try:
         with console.quiet(None if loud else console.job_log_file()):
             try:
                 plan = start(settings, _hydra_job_dir())
                 outcomes = run_stages(plan, settings, stages_for(settings.stage, settings), seconds)
+                if outcomes[-1].status == "rank":
+                    return None  # a training rank other than 0: rank 0 writes the rest
                 if settings.stage in SUMMARISED:
                     from eagle3x.tracking import summary
 
@@ -164,6 +169,26 @@ def run(cfg: Any) -> Optional[str]:
     except Refused as exc:
         sys.stderr.write(str(exc))
         sys.exit(EXIT_REFUSED)
+
+
+def _share_job_with_ranks() -> None:
+    """For `trainer.devices=N`: the processes Lightning starts rerun this job, not the
+    command line (eagle3x.distributed); their console shows only errors."""
+    from eagle3x import distributed
+
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if not HydraConfig.initialized():
+            return
+        if distributed.worker_argv() is not None:
+            for h in logging.getLogger().handlers:
+                if type(h) is logging.StreamHandler:
+                    h.setLevel(logging.ERROR)
+            return
+        distributed.share_job(list(HydraConfig.get().overrides.task), _hydra_job_dir())
+    except ValueError:  # HydraConfig not set in this process
+        pass
 
 
 def _hydra_verbose() -> bool:

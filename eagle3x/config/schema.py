@@ -220,6 +220,12 @@ class TrainConfig:
     num_workers: int = at_least(0, 0)
     freeze_embeddings: bool = True
     intermediate_size: Optional[int] = None
+    # Memory in sequence length T: past this many positions the training-time-test
+    # attention runs block by block, recomputing each block in backward (linear in T).
+    attention_block: int = at_least(16, 512)
+    # Positions per chunk of the loss's [positions, draft vocab] logits (recomputed in
+    # backward past one chunk), so no step keeps a [T, vocab] buffer.
+    loss_chunk: int = at_least(64, 8192)
     seed: int = 0
     # "auto": continue from this run folder's last checkpoint; "none"; or a .ckpt path.
     resume: str = "auto"

@@ -52,25 +52,40 @@ def collate(samples: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
 
 
 class StepBatchSampler:
-    """Batches as a function of the global batch number: epoch e is a permutation seeded by
-    (seed, e); rank r of w takes every w-th batch. Iteration starts at `start()`."""
+    """Batches as a function of the seed and the global sample index, whatever the number
+    of processes.
+
+    Optimizer step s reads the global batch of G = batch_size x world x accumulate samples
+    at positions s*G .. s*G+G-1 of the sample stream; epoch e of the stream is a
+    permutation seeded by (seed, e), cut to whole global batches. Micro-batch i of that
+    step on rank r of `world` reads the `batch_size` samples at offset (i*world + r) *
+    batch_size. So one process with batch_size=G and two with G/2 train on the same
+    samples at every step, and a run resumed on another number of processes (same G)
+    continues where it stopped (a global batch larger than the data wraps around it).
+    Iteration starts at micro-batch `start()`.
+    """
 
     def __init__(self, n: int, batch_size: int, seed: int, start: Callable[[], int],
-                 rank: int = 0, world: int = 1, total: int = 10 ** 9):
-        self.n, self.bs, self.seed, self.start = n, min(batch_size, n), seed, start
-        self.rank, self.world, self.total = rank, world, total
-        self.per_epoch = max(n // self.bs, 1)
+                 rank: int = 0, world: int = 1, accumulate: int = 1, total: int = 10 ** 9):
+        if world * accumulate == 1:
+            batch_size = min(batch_size, n)  # a batch larger than the data: all of it
+        self.n, self.bs, self.seed, self.start = n, batch_size, seed, start
+        self.rank, self.world, self.accumulate, self.total = rank, world, accumulate, total
+        self.global_batch = batch_size * world * accumulate
+        self.per_epoch = max(n // self.global_batch, 1)
 
-    def batch(self, g: int) -> List[int]:
-        epoch, j = divmod(g, self.per_epoch)
+    def batch(self, micro: int) -> List[int]:
+        step, i = divmod(micro, self.accumulate)
+        epoch, j = divmod(step, self.per_epoch)
         perm = np.random.default_rng([self.seed, epoch]).permutation(self.n)
-        return perm[j * self.bs:(j + 1) * self.bs].tolist()
+        first = j * self.global_batch + (i * self.world + self.rank) * self.bs
+        return perm[np.arange(first, first + self.bs) % self.n].tolist()
 
     def __iter__(self) -> Iterator[List[int]]:
-        s = self.start()
-        while s < self.total:
-            yield self.batch(s * self.world + self.rank)
-            s += 1
+        m = self.start()
+        while m < self.total:
+            yield self.batch(m)
+            m += 1
 
     def __len__(self) -> int:
         return self.total
@@ -128,12 +143,24 @@ class HiddenStateDataModule(L.LightningDataModule):
         sampler = StepBatchSampler(
             len(self.train_set), self.batch_size, self.seed,
             start=lambda: (trainer.global_step * accumulate) if trainer else 0,
-            rank=trainer.global_rank if trainer else 0, world=trainer.world_size if trainer else 1)
+            rank=trainer.global_rank if trainer else 0, world=trainer.world_size if trainer else 1,
+            accumulate=accumulate)
         return DataLoader(self.train_set, batch_sampler=sampler, collate_fn=collate,
                           num_workers=self.num_workers)
 
     def val_dataloader(self) -> Any:
+        """The held-out samples; with several processes each takes every world-th one
+        (when there are enough for all), and the module sums the counts across ranks."""
         if not self.val_set or len(self.val_set) == 0:
             return []
-        return DataLoader(self.val_set, batch_size=self.batch_size, collate_fn=collate,
+        rank, world = ((self.trainer.global_rank, self.trainer.world_size) if self.trainer
+                       else (0, 1))
+        data = self.val_set
+        if self.val_sharded():
+            data = HiddenStateDataset(self.val_set.reader, self.val_set.indices[rank::world])
+        return DataLoader(data, batch_size=self.batch_size, collate_fn=collate,
                           num_workers=self.num_workers)
+
+    def val_sharded(self) -> bool:
+        world = self.trainer.world_size if self.trainer else 1
+        return world > 1 and self.val_set is not None and len(self.val_set) >= world

@@ -63,6 +63,8 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
 
 
 class Attention(nn.Module):
+    block = 512  # positions per attention block past which memory stays linear in T
+
     def __init__(self, s: DraftShape):
         super().__init__()
         self.s = s
@@ -88,21 +90,58 @@ class Attention(nn.Module):
         position (the chain a drafted token extends). The new step is appended."""
         q, k, v = self.qkv(x, positions)
         cache.append((k, v))
-        k0, v0 = cache[0]
-        t = x.shape[1]
-        scale = 1.0 / math.sqrt(self.s.head_dim)
-        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        scores = [(q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]
-        if len(cache) > 1:
-            diag = torch.stack([(q * kj).sum(-1) * scale for kj, _ in cache[1:]], dim=-1)
-            scores.append(diag)  # [B, h, T, steps]
-        probs = torch.softmax(torch.cat(scores, -1).float(), -1).to(q.dtype)
-        out = probs[..., :t] @ v0
-        if len(cache) > 1:
-            vs = torch.stack([vj for _, vj in cache[1:]], dim=-2)  # [B, h, T, steps, D]
-            out = out + (probs[..., t:].unsqueeze(-1) * vs).sum(-2)
-        b = x.shape[0]
+        out = ttt_attention(q, cache, 1.0 / math.sqrt(self.s.head_dim), self.block)
+        b, t = x.shape[:2]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+def _attend(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, start: int, scale: float,
+            *same: torch.Tensor) -> torch.Tensor:
+    """Queries at positions start.. over step-0 keys 0..(their position) and the
+    same-position keys/values of later steps (`same` = k1..kn, v1..vn, sliced like q)."""
+    tq, tk = q.shape[2], k0.shape[2]
+    causal = (torch.arange(tk, device=q.device)[None, :]
+              <= torch.arange(start, start + tq, device=q.device)[:, None])
+    scores = [(q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]
+    n = len(same) // 2
+    if n:
+        scores.append(torch.stack([(q * kj).sum(-1) * scale for kj in same[:n]], dim=-1))
+    probs = torch.softmax(torch.cat(scores, -1).float(), -1).to(q.dtype)
+    out = probs[..., :tk] @ v0
+    if n:
+        vs = torch.stack(same[n:], dim=-2)  # [B, h, Tq, steps, D]
+        out = out + (probs[..., tk:].unsqueeze(-1) * vs).sum(-2)
+    return out
+
+
+def ttt_attention(q: torch.Tensor, cache: List[Tuple[torch.Tensor, torch.Tensor]], scale: float,
+                  block: int = 512) -> torch.Tensor:
+    """softmax(q . [causal step-0 keys | same-position keys of steps 1..]) @ values.
+
+    q and every cache entry are [B, heads, T, D]. Up to `block` positions this is one dense
+    [T, T + steps] score matrix. Longer sequences go `block` queries at a time (each block
+    reads only the keys up to its last position), and under autograd each block is
+    recomputed in backward instead of kept (torch.utils.checkpoint): what stays alive for
+    backward is q, k, v and the output, so memory grows linearly in T. The arithmetic per
+    query is the dense path's, so the two agree to rounding.
+    """
+    (k0, v0), later = cache[0], cache[1:]
+    t = q.shape[2]
+    same = [kj for kj, _ in later] + [vj for _, vj in later]
+    if t <= block:
+        return _attend(q, k0, v0, 0, scale, *same)
+    from torch.utils.checkpoint import checkpoint
+
+    outs = []
+    for a in range(0, t, block):
+        e = min(a + block, t)
+        args = (q[:, :, a:e], k0[:, :, :e], v0[:, :, :e], a, scale,
+                *[x[:, :, a:e] for x in same])
+        if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k0, v0, *same)):
+            outs.append(checkpoint(_attend, *args, use_reentrant=False))
+        else:
+            outs.append(_attend(*args))
+    return torch.cat(outs, dim=2)
 
 
 class MLP(nn.Module):
@@ -151,15 +190,15 @@ class Eagle3Draft(nn.Module):
              cache: List) -> Tuple[torch.Tensor, torch.Tensor]:
         """One draft step: (logits over the draft vocab, pre-norm hidden for the next step)."""
         h = self.midlayer(self.embed_tokens(token_ids), hidden, positions, cache)
-        return self.lm_head(self.norm(h)), h
+        return self.head(h), h
 
-    def unroll(self, aux: torch.Tensor, token_ids: torch.Tensor, steps: int,
-               positions: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
-        """Training-time test over a whole sequence.
+    def unroll_hidden(self, aux: torch.Tensor, token_ids: torch.Tensor, steps: int,
+                      positions: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+        """Training-time test over a whole sequence, stopping before the head.
 
         aux [B, T, 3Ht]: verifier features at each position; token_ids [B, T + steps]:
         the tokens each step reads (step k at position t reads token_ids[:, t + k]).
-        Returns the logits of each step, [B, T, draft_vocab].
+        Returns each step's pre-norm hidden state [B, T, H]; `head(h)` gives its logits.
         """
         b, t, _ = aux.shape
         if positions is None:
@@ -168,6 +207,16 @@ class Eagle3Draft(nn.Module):
         cache: List = []
         out = []
         for k in range(steps):
-            logits, hidden = self.step(token_ids[:, k:k + t], hidden, positions + k, cache)
-            out.append(logits)
+            hidden = self.midlayer(self.embed_tokens(token_ids[:, k:k + t]), hidden,
+                                   positions + k, cache)
+            out.append(hidden)
         return out
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary of pre-norm hidden states."""
+        return self.lm_head(self.norm(hidden))
+
+    def unroll(self, aux: torch.Tensor, token_ids: torch.Tensor, steps: int,
+               positions: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+        """`unroll_hidden`'s steps as logits over the draft vocab, [B, T, draft_vocab] each."""
+        return [self.head(h) for h in self.unroll_hidden(aux, token_ids, steps, positions)]

@@ -40,23 +40,48 @@ class DraftModule(L.LightningModule):
             self.draft.lm_head.weight.copy_(head.float()[targets])
             self.draft.norm.weight.copy_(find_tensor(path, FINAL_NORM_NAMES).float())
         self.draft.embed_tokens.weight.requires_grad_(not train["freeze_embeddings"])
+        self.draft.midlayer.self_attn.block = train.get("attention_block", 512)
         self._val: Dict[str, list] = {}
 
     def _metrics(self, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         t = self.hparams.train
-        return ttt_step_metrics(self.draft, batch, self.head, t["ttt_steps"], t["step_weight"])
+        return ttt_step_metrics(self.draft, batch, self.head, t["ttt_steps"], t["step_weight"],
+                                chunk=t.get("loss_chunk", 8192))
+
+    def _world(self) -> int:
+        return self.trainer.world_size if self._trainer is not None else 1
+
+    def _sum_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        return self.trainer.strategy.reduce(x, reduce_op="sum") if self._world() > 1 else x
 
     def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         m = self._metrics(batch)
-        steps = self.hparams.train["ttt_steps"]
-        logs = {"train/loss": m["loss"].detach(), "train/accept_len": m["accept_len"]}
+        steps, weight = self.hparams.train["ttt_steps"], self.hparams.train["step_weight"]
+        # Sums over every rank's batch (one process: this batch), so the loss each step
+        # reports and trains on is the global batch's whatever the number of processes.
+        ce = torch.stack([m[f"ce_{k}"] for k in range(steps)])
+        stats = self._sum_over_ranks(torch.stack([
+            ce.detach(), torch.stack([m[f"count_{k}"].float() for k in range(steps)]),
+            torch.stack([m[f"acc_{k}"] * m[f"count_{k}"] for k in range(steps)])]))
+        n = stats[1].clamp(min=1)
+        if self._world() > 1:
+            # DDP averages gradients over ranks: scaling by world makes that average the
+            # gradient of the global token mean, as one process with the whole batch has.
+            w = torch.tensor([weight ** k for k in range(steps)], device=ce.device)
+            loss = (w * ce / n).sum() * self._world()
+            accs = list(stats[2] / n)
+            logs = {"train/loss": (w * stats[0] / n).sum()}
+        else:
+            loss, accs = m["loss"], [m[f"acc_{k}"] for k in range(steps)]
+            logs = {"train/loss": m["loss"].detach()}
+        logs["train/accept_len"] = expected_accept_length(accs)
         for k in range(steps):
-            logs[f"train/acc_{k}"] = m[f"acc_{k}"]
-            logs[f"train/loss_{k}"] = m[f"loss_{k}"]
+            logs[f"train/acc_{k}"] = accs[k]
+            logs[f"train/loss_{k}"] = stats[0][k] / n[k]
         self.log_dict(logs, on_step=True, on_epoch=False, prog_bar=False,
                       batch_size=int(batch["lengths"].numel()))
-        self.log("acc_0", m["acc_0"], prog_bar=True, logger=False)
-        return m["loss"]
+        self.log("acc_0", accs[0], prog_bar=True, logger=False)
+        return loss
 
     def on_validation_epoch_start(self) -> None:
         self._val = {}
@@ -74,16 +99,45 @@ class DraftModule(L.LightningModule):
         if not self._val:
             return
         steps = self.hparams.train["ttt_steps"]
+        sums = torch.stack([torch.stack([torch.stack(self._val[f"{key}_{k}"]).sum()
+                                         for k in range(steps)])
+                            for key in ("hits", "n", "loss")])
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if dm is not None and getattr(dm, "val_sharded", lambda: False)():
+            sums = self._sum_over_ranks(sums)  # each rank saw its share of the held-out set
+        hits, n, loss = sums[0], sums[1].clamp(min=1), sums[2]
         accs, logs = [], {}
         for k in range(steps):
-            n = torch.stack(self._val[f"n_{k}"]).sum().clamp(min=1)
-            acc = torch.stack(self._val[f"hits_{k}"]).sum() / n
-            accs.append(acc)
-            logs[f"val/acc_{k}"] = acc
-            logs[f"val/loss_{k}"] = torch.stack(self._val[f"loss_{k}"]).sum() / n
+            accs.append(hits[k] / n[k])
+            logs[f"val/acc_{k}"] = accs[k]
+            logs[f"val/loss_{k}"] = loss[k] / n[k]
         logs["val/accept_len"] = expected_accept_length(accs)
         self.log_dict(logs, prog_bar=False)
         self.log("val_acc_0", accs[0], prog_bar=True, logger=False)
+
+    def _global_batch(self) -> int:
+        t = self.trainer
+        return self.hparams.train["batch_size"] * t.world_size * t.accumulate_grad_batches
+
+    def _ckpt_path(self) -> str:
+        return str(getattr(self.trainer, "ckpt_path", None) or "the checkpoint")
+
+    def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
+        checkpoint["eagle3x"] = {"global_batch": self._global_batch()}
+
+    def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
+        saved = (checkpoint.get("eagle3x") or {}).get("global_batch")
+        if saved is not None and self._trainer is not None and saved != self._global_batch():
+            t = self.trainer
+            from eagle3x.artifacts import ArtifactError
+
+            raise ArtifactError(
+                f"{self._ckpt_path()}: the checkpoint was trained with a global batch of {saved} samples per step; "
+                f"this run's is {self._global_batch()} (train.batch_size="
+                f"{self.hparams.train['batch_size']} x {t.world_size} processes x "
+                f"trainer.accumulate_grad_batches={t.accumulate_grad_batches}). Resuming "
+                f"continues the same sample stream only with the same global batch: set "
+                f"train.batch_size to {saved} / (processes x accumulate_grad_batches).")
 
     def configure_optimizers(self) -> Any:
         t = self.hparams.train

@@ -29,16 +29,21 @@ def shift(x: torch.Tensor, s: int, fill: float = 0) -> torch.Tensor:
 
 @torch.no_grad()
 def verifier_targets(last: torch.Tensor, head: torch.Tensor, draft_targets: torch.Tensor,
-                     chunk: int = 2048) -> Dict[str, torch.Tensor]:
-    """Greedy token ids [B, T] and log-probs over the draft vocab [B, T, Vd] of the verifier."""
+                     chunk: int = 2048, greedy_only: bool = False) -> Dict[str, torch.Tensor]:
+    """Greedy token ids [B, T] and (unless `greedy_only`) log-probs over the draft vocab
+    [B, T, Vd] of the verifier."""
     b, t, h = last.shape
     flat = last.reshape(-1, h)
     greedy, logp = [], []
     for i in range(0, flat.shape[0], chunk):
         logits = flat[i:i + chunk].to(head.dtype) @ head.T
         greedy.append(logits.argmax(-1))
-        logp.append(torch.log_softmax(logits[:, draft_targets].float(), -1))
-    return {"greedy": torch.cat(greedy).view(b, t), "logp": torch.cat(logp).view(b, t, -1)}
+        if not greedy_only:
+            logp.append(torch.log_softmax(logits[:, draft_targets].float(), -1))
+    out = {"greedy": torch.cat(greedy).view(b, t)}
+    if not greedy_only:
+        out["logp"] = torch.cat(logp).view(b, t, -1)
+    return out
 
 
 def valid_mask(loss_mask: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
@@ -49,29 +54,59 @@ def valid_mask(loss_mask: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.
 
 
 def ttt_step_metrics(draft: Eagle3Draft, batch: Dict[str, torch.Tensor], head: torch.Tensor,
-                     steps: int, step_weight: float) -> Dict[str, torch.Tensor]:
-    """Weighted soft cross-entropy over `steps` unrolled steps, plus loss_k / acc_k each."""
+                     steps: int, step_weight: float,
+                     chunk: int = 8192) -> Dict[str, torch.Tensor]:
+    """Weighted soft cross-entropy over `steps` unrolled steps, plus loss_k / acc_k each
+    (and ce_k, the summed cross-entropy, and count_k, its positions, for other reductions).
+
+    Only trained positions reach the heads. Up to `chunk` positions per step the draft's
+    and the verifier's logits over the draft vocabulary are computed at once; beyond it
+    `chunk` rows at a time, each recomputed in backward rather than kept, so no
+    [positions, vocab] buffer lives across steps (memory linear in T, small in vocab).
+    """
+    b, t = batch["input_ids"].shape
     targets_of_draft = torch.arange(draft.shape.draft_vocab_size, device=head.device) + draft.d2t
-    tgt = verifier_targets(batch["last_hidden"], head, targets_of_draft)
+    teacher_head = head[targets_of_draft]  # [Vd, Ht]: the verifier's logits over draft ids
+    last = batch["last_hidden"]
+    greedy = verifier_targets(last, head, targets_of_draft, greedy_only=True)["greedy"]
     ids = batch["input_ids"]
     tokens = torch.cat([shift(ids, 1), ids.new_zeros(ids.shape[0], steps)], dim=1)
-    logits = draft.unroll(batch["aux_hidden"].to(draft.fc.weight.dtype), tokens, steps)
+    hidden = draft.unroll_hidden(batch["aux_hidden"].to(draft.fc.weight.dtype), tokens, steps)
     out: Dict[str, torch.Tensor] = {}
-    total = logits[0].new_zeros((), dtype=torch.float32)
-    for k, lk in enumerate(logits):
-        valid = valid_mask(batch["loss_mask"], batch["lengths"], k)
-        p_logp = shift(tgt["logp"], 1 + k)
-        ce = -(p_logp.exp() * torch.log_softmax(lk.float(), -1)).sum(-1)
-        n = valid.sum().clamp(min=1)
-        loss_k = (ce * valid).sum() / n
-        pred = draft.draft_to_target(lk.argmax(-1))
-        acc_k = ((pred == shift(tgt["greedy"], 1 + k, -1)) & valid).sum().float() / n
+    total = hidden[0].new_zeros((), dtype=torch.float32)
+    for k, hk in enumerate(hidden):
+        rows, cols = valid_mask(batch["loss_mask"], batch["lengths"], k).nonzero(as_tuple=True)
+        h, teacher = hk[rows, cols], last[rows, cols + 1 + k]
+        ce, hits = hk.new_zeros((), dtype=torch.float32), 0
+        for a in range(0, max(len(rows), 1), chunk):
+            args = (draft, teacher_head, h[a:a + chunk], teacher[a:a + chunk])
+            if len(rows) > chunk and torch.is_grad_enabled():
+                from torch.utils.checkpoint import checkpoint
+
+                ce_c, pred = checkpoint(_soft_ce, *args, use_reentrant=False)
+            else:
+                ce_c, pred = _soft_ce(*args)
+            ce = ce + ce_c
+            hits = hits + (pred == greedy[rows[a:a + chunk], cols[a:a + chunk] + 1 + k]).sum()
+        n = torch.tensor(len(rows), device=hk.device)
+        loss_k = ce / n.clamp(min=1)
         total = total + (step_weight ** k) * loss_k
-        out[f"loss_{k}"], out[f"acc_{k}"] = loss_k.detach(), acc_k.detach()
-        out[f"count_{k}"] = valid.sum().detach()
+        out[f"loss_{k}"], out[f"ce_{k}"], out[f"count_{k}"] = loss_k.detach(), ce, n
+        out[f"acc_{k}"] = torch.as_tensor(hits, device=hk.device).float() / n.clamp(min=1)
     out["loss"] = total
     out["accept_len"] = expected_accept_length([out[f"acc_{k}"] for k in range(steps)])
     return out
+
+
+def _soft_ce(draft: Eagle3Draft, teacher_head: torch.Tensor, hidden: torch.Tensor,
+             teacher: torch.Tensor):
+    """(sum over rows of the soft cross-entropy of the draft's logits against the verifier's
+    distribution over the draft vocabulary, the draft's top-1 as target ids)."""
+    logits = draft.head(hidden)
+    with torch.no_grad():
+        p = torch.softmax((teacher.to(teacher_head.dtype) @ teacher_head.T).float(), -1)
+        pred = draft.draft_to_target(logits.argmax(-1))
+    return -(p * torch.log_softmax(logits.float(), -1)).sum(), pred
 
 
 def expected_accept_length(accs: List[torch.Tensor]) -> torch.Tensor:

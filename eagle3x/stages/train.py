@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from eagle3x import artifacts, console
+from eagle3x import artifacts, console, distributed
 from eagle3x.artifacts import Outcome
 from eagle3x.config.schema import (ExtractConfig, LoggerConfig, LoggerName, TrainConfig,
                                    TrainerConfig)
@@ -123,10 +123,16 @@ def run(plan: RunPlan, train: TrainConfig, trainer: TrainerConfig, logger: Logge
     if ckpt is not None and plan.resume.mode == "auto":
         log.info("resuming from %s", ckpt)
     t0 = time.perf_counter()
-    fitter.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None, weights_only=True)
+    with distributed.fit_scope():
+        fitter.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None,
+                   weights_only=True)
     wall = time.perf_counter() - t0
     if fitter.interrupted:
         raise SystemExit(130)
+    if not fitter.is_global_zero:  # rank 0 writes the export and the summaries
+        log.info("rank %d of %d trained %d steps", fitter.global_rank, fitter.world_size,
+                 fitter.global_step)
+        return Outcome("draft", "rank", out / "draft")
     draft_dir = save(module.draft, out / "draft", list(plan.aux_layer_ids),
                      include_embeddings=not train.freeze_embeddings,
                      verifier_architectures=plan.verifier.info.architectures)

@@ -50,23 +50,37 @@ def test_start_is_read_when_iteration_begins():
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_ranks_of_a_world_partition_the_batches(world):
-    single = take(sampler(n=24, bs=2, seed=3), 4 * world)
-    per_rank = [take(sampler(n=24, bs=2, seed=3, rank=r, world=world), 4) for r in range(world)]
-    # rank r's i-th batch is global batch i * world + r
-    for r in range(world):
-        for i in range(4):
-            assert per_rank[r][i] == single[i * world + r]
-    interleaved = [per_rank[r][i] for i in range(4) for r in range(world)]
-    assert interleaved == single
+def test_ranks_split_the_global_batch_one_process_reads(world):
+    # one process with batch 2*world reads, at every step, what `world` ranks of 2 read
+    single = take(sampler(n=24, bs=2 * world, seed=3), 6)
+    per_rank = [take(sampler(n=24, bs=2, seed=3, rank=r, world=world), 6) for r in range(world)]
+    for step in range(6):
+        assert [i for r in range(world) for i in per_rank[r][step]] == single[step]
 
 
-def test_resumed_ranks_continue_from_the_same_global_batches():
-    world, start = 2, 3
-    single = take(sampler(n=20, bs=2, seed=4), 10 * world)
-    for r in range(world):
-        resumed = take(sampler(n=20, bs=2, seed=4, rank=r, world=world, start=start), 4)
-        assert resumed == [single[(start + i) * world + r] for i in range(4)]
+@pytest.mark.parametrize("world,accumulate", [(1, 2), (2, 2), (3, 1)])
+def test_accumulated_micro_batches_of_all_ranks_make_the_same_global_batch(world, accumulate):
+    g = 2 * world * accumulate
+    single = take(sampler(n=30, bs=g, seed=6), 5)
+    ranks = [take(StepBatchSampler(30, 2, 6, start=lambda: 0, rank=r, world=world,
+                                   accumulate=accumulate), 5 * accumulate) for r in range(world)]
+    for step in range(5):
+        got = [i for a in range(accumulate) for r in range(world)
+               for i in ranks[r][step * accumulate + a]]
+        assert got == single[step]
+
+
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2), (2, 4)])
+def test_a_run_resumed_on_another_number_of_processes_continues_the_same_stream(before, after):
+    """Killed at step 3 on `before` processes, resumed on `after`, same global batch 4."""
+    whole = take(sampler(n=22, bs=4, seed=9), 8)
+
+    def steps(world: int, start: int, count: int) -> list:
+        ranks = [take(sampler(n=22, bs=4 // world, seed=9, rank=r, world=world, start=start),
+                      count) for r in range(world)]
+        return [[i for r in range(world) for i in ranks[r][s]] for s in range(count)]
+
+    assert steps(before, 0, 3) + steps(after, 3, 5) == whole
 
 
 @pytest.mark.parametrize("n,bs", [(12, 3), (12, 4), (10, 10), (7, 1)])

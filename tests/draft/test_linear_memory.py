@@ -1,0 +1,126 @@
+"""The linear-memory training-time test (blocked, recomputed attention; chunked loss) against
+the dense implementation it replaced (tests/draft/dense_ttt.py), in float32 on random
+inputs: every step's logits, every metric, every gradient. And the property it exists for:
+what autograd keeps for backward grows linearly in T, where the dense path's grows as T^2.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Dict
+
+import pytest
+import torch
+
+from eagle3x.draft.model import DraftShape, Eagle3Draft
+from eagle3x.draft.ttt import shift, ttt_step_metrics
+from tests.draft.dense_ttt import dense_step_metrics, dense_unroll
+
+H, TH, VD, VT = 32, 24, 20, 50
+
+
+def draft_and_batch(seed: int, t: int, lengths, heads: int = 4, kv: int = 2, block: int = 8):
+    g = torch.Generator().manual_seed(seed)
+    s = DraftShape(hidden_size=H, target_hidden_size=TH, intermediate_size=48, num_heads=heads,
+                   num_kv_heads=kv, head_dim=8, draft_vocab_size=VD, target_vocab_size=VT)
+    chosen = torch.randperm(VT, generator=g)[:VD].sort().values
+    t2d = torch.zeros(VT, dtype=torch.bool)
+    t2d[chosen] = True
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(s, chosen - torch.arange(VD), t2d)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    draft.midlayer.self_attn.block = block
+    b = len(lengths)
+    batch = {"input_ids": torch.randint(1, VT, (b, t), generator=g),
+             "loss_mask": torch.randint(0, 2, (b, t), generator=g, dtype=torch.uint8),
+             "lengths": torch.tensor(lengths),
+             "aux_hidden": torch.randn(b, t, 3 * TH, generator=g),
+             "last_hidden": 2 * torch.randn(b, t, TH, generator=g)}
+    for i, n in enumerate(lengths):
+        batch["loss_mask"][i, n:] = 0
+    head = torch.randn(VT, TH, generator=g)
+    return draft, batch, head
+
+
+def grads(draft: Eagle3Draft, loss: torch.Tensor) -> Dict[str, torch.Tensor]:
+    draft.zero_grad()
+    loss.backward()
+    return {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("t,block,heads,kv", [(37, 8, 4, 2), (37, 8, 2, 2), (16, 16, 4, 1),
+                                              (40, 13, 4, 4)])
+def test_blocked_attention_gives_the_dense_logits_and_gradients_at_every_step(t, block, heads, kv):
+    draft, batch, _ = draft_and_batch(1, t, [t, t - 5], heads, kv, block)
+    ids = batch["input_ids"]
+    tokens = torch.cat([shift(ids, 1), ids.new_zeros(ids.shape[0], 5)], dim=1)
+    new = draft.unroll(batch["aux_hidden"], tokens, 5)
+    old = dense_unroll(draft, batch["aux_hidden"], tokens, 5)
+    for k, (a, b) in enumerate(zip(new, old)):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (k, (a - b).abs().max())
+    weights = torch.randn(len(new), *new[0].shape, generator=torch.Generator().manual_seed(3))
+    g_new = grads(draft, sum((w * x).sum() for w, x in zip(weights, new)))
+    g_old = grads(draft, sum((w * x).sum() for w, x in zip(weights, old)))
+    assert g_new.keys() == g_old.keys()
+    for n in g_new:
+        scale = g_old[n].abs().max().clamp(min=1e-6)
+        assert (g_new[n] - g_old[n]).abs().max() / scale < 1e-5, n
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 10 ** 6])
+def test_chunked_loss_gives_the_dense_metrics_and_gradients(chunk):
+    draft, batch, head = draft_and_batch(2, 29, [29, 20, 11], block=8)
+    new = ttt_step_metrics(draft, batch, head, 4, 0.8, chunk=chunk)
+    old = dense_step_metrics(draft, batch, head, 4, 0.8)
+    for k in range(4):
+        assert int(new[f"count_{k}"]) == int(old[f"count_{k}"]) > 0
+        assert float(new[f"acc_{k}"]) == float(old[f"acc_{k}"])
+        assert float(new[f"loss_{k}"]) == pytest.approx(float(old[f"loss_{k}"]), rel=1e-5)
+        assert float(new[f"ce_{k}"].detach()) == pytest.approx(
+            float(old[f"loss_{k}"]) * int(old[f"count_{k}"]), rel=1e-5)
+    assert float(new["accept_len"]) == pytest.approx(float(old["accept_len"]))
+    g_new, g_old = grads(draft, new["loss"]), grads(draft, old["loss"])
+    for n in g_old:
+        scale = g_old[n].abs().max().clamp(min=1e-6)
+        assert (g_new[n] - g_old[n]).abs().max() / scale < 1e-5, n
+
+
+def test_the_default_block_keeps_short_sequences_on_the_dense_path_bit_for_bit():
+    draft, batch, _ = draft_and_batch(3, 30, [30], block=512)
+    ids = batch["input_ids"]
+    tokens = torch.cat([shift(ids, 1), ids.new_zeros(1, 3)], dim=1)
+    for a, b in zip(draft.unroll(batch["aux_hidden"], tokens, 3),
+                    dense_unroll(draft, batch["aux_hidden"], tokens, 3)):
+        assert torch.equal(a, b)
+
+
+def saved_bytes(fn) -> int:
+    """Bytes of the distinct storages autograd keeps for backward while `fn` runs."""
+    seen: Dict[int, int] = {}
+
+    def pack(x: torch.Tensor):
+        st = x.untyped_storage()
+        seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        fn()
+    return sum(seen.values())
+
+
+def test_what_backward_keeps_grows_linearly_in_t_where_the_dense_path_grows_quadratically():
+    def kept(t: int, dense: bool) -> int:
+        draft, batch, head = draft_and_batch(4, t, [t], heads=4, kv=4, block=16)
+        ref = copy.deepcopy(draft)
+        if dense:
+            return saved_bytes(lambda: dense_step_metrics(ref, batch, head, 4, 0.8)["loss"])
+        return saved_bytes(lambda: ttt_step_metrics(draft, batch, head, 4, 0.8, chunk=16)["loss"])
+
+    new = [kept(t, False) for t in (256, 512, 1024)]
+    old = [kept(t, True) for t in (256, 512, 1024)]
+    # doubling T: linear memory doubles; the dense path's T^2 terms take over and quadruple
+    assert all(1.8 < b / a < 2.2 for a, b in zip(new, new[1:])), new
+    assert old[2] / old[1] > 3.3 and old[2] / old[1] > old[1] / old[0], old
+    assert new[-1] < old[-1] / 5
