@@ -225,7 +225,7 @@ class TrainConfig:
     attention_block: int = at_least(16, 512)
     # Positions per chunk of the loss's [positions, draft vocab] logits (recomputed in
     # backward past one chunk), so no step keeps a [T, vocab] buffer.
-    loss_chunk: int = at_least(64, 8192)
+    loss_chunk: int = at_least(64, 2048)
     seed: int = 0
     # "auto": continue from this run folder's last checkpoint; "none"; or a .ckpt path.
     resume: str = "auto"

@@ -80,8 +80,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
         q, k = rope(q, positions, s.rope_theta), rope(k, positions, s.rope_theta)
-        rep = s.num_heads // s.num_kv_heads
-        return q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        return q, k, v  # k, v: num_kv_heads (ttt_attention repeats them for each query head)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 cache: List[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -99,6 +98,10 @@ def _attend(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, start: int, sca
             *same: torch.Tensor) -> torch.Tensor:
     """Queries at positions start.. over step-0 keys 0..(their position) and the
     same-position keys/values of later steps (`same` = k1..kn, v1..vn, sliced like q)."""
+    rep = q.shape[1] // k0.shape[1]
+    if rep > 1:  # grouped-query attention: each kv head serves `rep` query heads
+        k0, v0 = k0.repeat_interleave(rep, 1), v0.repeat_interleave(rep, 1)
+        same = tuple(x.repeat_interleave(rep, 1) for x in same)
     tq, tk = q.shape[2], k0.shape[2]
     causal = (torch.arange(tk, device=q.device)[None, :]
               <= torch.arange(start, start + tq, device=q.device)[:, None])
@@ -118,11 +121,11 @@ def ttt_attention(q: torch.Tensor, cache: List[Tuple[torch.Tensor, torch.Tensor]
                   block: int = 512) -> torch.Tensor:
     """softmax(q . [causal step-0 keys | same-position keys of steps 1..]) @ values.
 
-    q and every cache entry are [B, heads, T, D]. Up to `block` positions this is one dense
+    q is [B, heads, T, D], every cache entry [B, kv heads, T, D]. Up to `block` positions this is one dense
     [T, T + steps] score matrix. Longer sequences go `block` queries at a time (each block
     reads only the keys up to its last position), and under autograd each block is
     recomputed in backward instead of kept (torch.utils.checkpoint): what stays alive for
-    backward is q, k, v and the output, so memory grows linearly in T. The arithmetic per
+    backward is q, k, v (k, v at kv-head size) and the output, so memory grows linearly in T. The arithmetic per
     query is the dense path's, so the two agree to rounding.
     """
     (k0, v0), later = cache[0], cache[1:]
@@ -168,7 +171,16 @@ class MidLayer(nn.Module):
         residual = hidden
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
         h = self.self_attn(x, positions, cache) + residual
-        return self.mlp(self.post_attention_layernorm(h)) + h
+        if h.shape[1] > self.self_attn.block and torch.is_grad_enabled():
+            # long sequences: the MLP (4 x intermediate per position) is recomputed in
+            # backward rather than kept, the largest per-position term of a step
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(self._mlp, h, use_reentrant=False) + h
+        return self._mlp(h) + h
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.post_attention_layernorm(h))
 
 
 class Eagle3Draft(nn.Module):

@@ -46,7 +46,7 @@ class DraftModule(L.LightningModule):
     def _metrics(self, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         t = self.hparams.train
         return ttt_step_metrics(self.draft, batch, self.head, t["ttt_steps"], t["step_weight"],
-                                chunk=t.get("loss_chunk", 8192))
+                                chunk=t.get("loss_chunk", 2048))
 
     def _world(self) -> int:
         return self.trainer.world_size if self._trainer is not None else 1

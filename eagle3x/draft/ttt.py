@@ -55,7 +55,7 @@ def valid_mask(loss_mask: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.
 
 def ttt_step_metrics(draft: Eagle3Draft, batch: Dict[str, torch.Tensor], head: torch.Tensor,
                      steps: int, step_weight: float,
-                     chunk: int = 8192) -> Dict[str, torch.Tensor]:
+                     chunk: int = 2048) -> Dict[str, torch.Tensor]:
     """Weighted soft cross-entropy over `steps` unrolled steps, plus loss_k / acc_k each
     (and ce_k, the summed cross-entropy, and count_k, its positions, for other reductions).
 
@@ -111,9 +111,10 @@ def _soft_ce(draft: Eagle3Draft, teacher_head: torch.Tensor, hidden: torch.Tenso
 
 def expected_accept_length(accs: List[torch.Tensor]) -> torch.Tensor:
     """1 + sum_k prod_{j<=k} acc_j: tokens per verifier pass implied by per-step accuracy."""
-    total, running = torch.ones(()), torch.ones(())
+    device = accs[0].device if accs else None
+    total, running = torch.ones((), device=device), torch.ones((), device=device)
     for a in accs:
-        running = running * a.detach().float().cpu()
+        running = running * a.detach().float()
         total = total + running
     return total
 

@@ -17,6 +17,8 @@ from eagle3x.draft.ttt import expected_accept_length, shift, valid_mask, verifie
 
 def dense_attention(attn, x: torch.Tensor, positions: torch.Tensor, cache: List) -> torch.Tensor:
     q, k, v = attn.qkv(x, positions)
+    rep = attn.s.num_heads // attn.s.num_kv_heads
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     cache.append((k, v))
     k0, v0 = cache[0]
     t = x.shape[1]
