@@ -193,9 +193,8 @@ def build_eagle3x(cfg: dict, x: dict):
     batch = {"input_ids": x["ids"], "loss_mask": torch.ones(1, T), "lengths": torch.tensor([T]),
              "aux_hidden": x["aux"], "last_hidden": x["last"]}
 
-    def step():
-        loss = ttt_step_metrics(draft, batch, x["head"], cfg["ttt_steps"], cfg["step_weight"])["loss"]
-        return loss
+    def step(steps: int = cfg["ttt_steps"]):
+        return ttt_step_metrics(draft, batch, x["head"], steps, cfg["step_weight"])["loss"]
 
     def logits():  # for --check: the unrolled draft alone, as ttt_step_metrics feeds it
         from eagle3x.draft.ttt import shift
@@ -253,8 +252,8 @@ def build_peer(cfg: dict, x: dict):
                   verifier_last_hidden_states=x["last"], ttt_steps=cfg["ttt_steps"],
                   ttt_step_loss_decay=cfg["step_weight"], loss_config=loss_config)
 
-    def step():
-        _tokens, loss, _metrics = model(**kwargs)
+    def step(steps: int = cfg["ttt_steps"]):
+        _tokens, loss, _metrics = model(**dict(kwargs, ttt_steps=steps))
         return loss
 
     def logits():  # for --check: capture lm_head's output at each TTT step
@@ -272,6 +271,36 @@ def build_peer(cfg: dict, x: dict):
 BUILDERS = {"eagle3x": build_eagle3x, "peer": build_peer}
 
 
+def source_digest() -> str:
+    """Which eagle3x draft code a child measured: the working tree may change between
+    children (it is being edited), so each eagle3x point carries a digest of the two files."""
+    import hashlib
+
+    import eagle3x.draft.model as m
+    import eagle3x.draft.ttt as t
+    h = hashlib.sha256()
+    for mod in (m, t):
+        h.update(Path(mod.__file__).read_bytes())
+    return "eagle3x draft src " + h.hexdigest()[:10]
+
+
+def git_describe() -> str:
+    """HEAD and whether eagle3x/ has uncommitted changes (read-only git calls)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
+                              capture_output=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "eagle3x"], cwd=REPO,
+                               text=True, capture_output=True).stdout.strip()
+        return f"git {head}{' + uncommitted eagle3x/ changes' if dirty else ''}"
+    except OSError:
+        return "git unavailable"
+
+
+def peer_version() -> str:
+    from importlib.metadata import version
+    return f"speculators {version('speculators')}"
+
+
 # ------------------------------------------------------------------------------ subprocesses
 
 def child_measure(cfg: dict) -> dict:
@@ -283,25 +312,33 @@ def child_measure(cfg: dict) -> dict:
     x = shared_inputs(cfg)
     module, step, _ = BUILDERS[cfg["model"]](cfg, x)
     params = [p for p in module.parameters() if p.requires_grad]
+    version = source_digest() if cfg["model"] == "eagle3x" else peer_version()
     gc.collect()
     method = reset_peak()
     base_kb = _status_kb("VmRSS") if method == "VmHWM reset" else peak_kb(method)
     watchdog(int(cfg["mem_limit_gb"] * 2**20) + _status_kb("VmRSS"))
-    times, loss = [], float("nan")
+    times, cpu, warm, loss = [], [], [], float("nan")
     for i in range(cfg["warmup"] + cfg["repeats"]):
         for p in params:
             p.grad = None
-        t0 = time.perf_counter()
-        out = step()
+        steps = cfg["ttt_steps"]
+        if i < cfg["warmup"] and cfg["warmup_steps"]:
+            steps = min(cfg["warmup_steps"], steps)
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = step(steps)
         out.backward()
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
         loss = float(out.detach())
         if i >= cfg["warmup"]:
             times.append(dt)
-            if sum(times) > cfg["budget_s"]:
+            cpu.append(dc)
+            if sum(times) >= cfg["budget_s"]:
                 break
+        else:
+            warm.append(dt)
     res = {"model": cfg["model"], "length": cfg["length"], "seconds": statistics.median(times),
-           "times": times, "peak_mb": (peak_kb(method) - base_kb) / 1024,
+           "times": times, "cpu_seconds": statistics.median(cpu), "warmup_times": warm,
+           "version": version, "peak_mb": (peak_kb(method) - base_kb) / 1024,
            "base_mb": base_kb / 1024, "mem_method": method, "loss": loss,
            "trainable_params": sum(p.numel() for p in params),
            "grads_ok": all(p.grad is not None for p in params)}
@@ -381,11 +418,15 @@ def parse() -> argparse.Namespace:
     a("--ttt-steps", type=int, default=7)
     a("--step-weight", type=float, default=0.8, help="per-step loss decay, both sides")
     a("--lengths", default="512,1024,2048,4096", help="comma-separated sequence lengths T")
-    a("--warmup", type=int, default=1)
+    a("--warmup", type=int, default=1, help="untimed runs before the timed ones")
+    a("--warmup-steps", type=int, default=2,
+      help="TTT steps of the warmup runs (same T, same code paths, a fraction of the time); "
+           "0: all --ttt-steps")
     a("--repeats", type=int, default=3)
-    a("--budget-s", type=float, default=40.0,
+    a("--budget-s", type=float, default=25.0,
       help="stop timing a point once its timed runs add up to this (>= 1 run is kept)")
-    a("--threads", type=int, default=os.cpu_count() or 1, help="torch threads per child")
+    a("--threads", type=int, default=1,
+      help="torch threads per child (1: steadier on a shared machine, see the docstring)")
     a("--mem-limit-gb", type=float, default=16.0,
       help="skip/stop a point whose peak growth would exceed this")
     a("--child-timeout", type=float, default=900.0)
@@ -419,7 +460,8 @@ def main() -> None:
             "intermediate": args.intermediate, "draft_vocab": args.draft_vocab,
             "target_vocab": args.target_vocab, "ttt_steps": args.ttt_steps,
             "step_weight": args.step_weight, "eps": 1e-6, "rope_theta": 10000.0,
-            "warmup": args.warmup, "repeats": args.repeats, "budget_s": args.budget_s,
+            "warmup": args.warmup, "warmup_steps": args.warmup_steps,
+            "repeats": args.repeats, "budget_s": args.budget_s,
             "threads": args.threads, "mem_limit_gb": args.mem_limit_gb,
             "peer_site": str(Path(args.peer_site).resolve()), "peer_attn": args.peer_attn,
             "peer_loss": args.peer_loss, "peer_lm_head": args.peer_lm_head}
@@ -462,7 +504,10 @@ def main() -> None:
             if "error" not in res:
                 history[m].append((T, res["peak_mb"]))
                 print(f"  {m:8s} T={T:5d}: {T / res['seconds']:8.1f} tok/s "
-                      f"(runs {', '.join(f'{t:.2f}' for t in res['times'])} s), peak "
+                      f"(runs {', '.join(f'{t:.2f}' for t in res['times'])} s wall; "
+                      f"{res['cpu_seconds'] / res['seconds'] / args.threads:.0%} of "
+                      f"{args.threads} core(s) busy; warmup "
+                      f"{', '.join(f'{t:.1f}' for t in res['warmup_times']) or '-'} s), peak "
                       f"+{res['peak_mb']:.0f} MB over {res['base_mb']:.0f} MB, "
                       f"loss {res['loss']:.3f}", flush=True)
             else:
@@ -482,24 +527,35 @@ def main() -> None:
         a, b = table.get(("eagle3x", T), {}), table.get(("peer", T), {})
         if "error" in a or "error" in b or not a or not b:
             return "-"
-        return (f"{b['seconds'] / a['seconds']:.2f}x" if key == "tps"
-                else f"{a['peak_mb'] / b['peak_mb']:.2f}x")
+        if key == "tps":
+            return f"{b['seconds'] / a['seconds']:.2f}x"
+        if key == "cpu":
+            return f"{b['cpu_seconds'] / a['cpu_seconds']:.2f}x"
+        return f"{a['peak_mb'] / b['peak_mb']:.2f}x"
 
     print()
-    print("| T | eagle3x tok/s | peer tok/s | eagle3x/peer speed | eagle3x peak MB "
-          "| peer peak MB | eagle3x/peer memory |")
-    print("|---|---|---|---|---|---|---|")
+    print("| T | eagle3x tok/s | peer tok/s | speed ratio | (by CPU time) | eagle3x peak MB "
+          "| peer peak MB | memory ratio |")
+    print("|---|---|---|---|---|---|---|---|")
     for T in lengths:
         print(f"| {T} | {cell('eagle3x', T, 'tps')} | {cell('peer', T, 'tps')} | "
-              f"{ratio(T, 'tps')} | {cell('eagle3x', T, 'mb')} | {cell('peer', T, 'mb')} | "
-              f"{ratio(T, 'mb')} |")
+              f"{ratio(T, 'tps')} | {ratio(T, 'cpu')} | {cell('eagle3x', T, 'mb')} | "
+              f"{cell('peer', T, 'mb')} | {ratio(T, 'mb')} |")
     method = next((r["mem_method"] for r in results["points"] if "mem_method" in r), "?")
     print(f"\npeak MB = RSS growth during forward+backward over the RSS after building the "
-          f"model and inputs ({method}); speed ratio > 1: eagle3x faster; memory ratio < 1: "
-          f"eagle3x smaller.")
+          f"model and inputs ({method}).\nspeed ratio = peer time / eagle3x time, by wall clock "
+          f"(and by process CPU time, which a busy shared machine disturbs less): > 1 means "
+          f"eagle3x is faster. memory ratio = eagle3x / peer: < 1 means eagle3x is smaller.")
     for r in results["points"]:
         if "error" in r:
             print(f"note: {r['model']} T={r['length']}: {r['error']}")
+    versions = {m: sorted({r["version"] for r in results["points"]
+                           if r["model"] == m and "version" in r}) for m in models}
+    print(f"measured: {'; '.join(', '.join(v) for v in versions.values() if v)} "
+          f"({git_describe()})")
+    if len(versions.get("eagle3x", [])) > 1:
+        print("note: eagle3x's draft code changed during the run; --json says which point "
+              "measured which")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

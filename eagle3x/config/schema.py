@@ -239,6 +239,8 @@ class TrainerConfig:
 
     accelerator: str = "auto"
     devices: str = "auto"
+    # Machines of a multi-node run (SLURM / torchrun start the processes; README).
+    num_nodes: int = at_least(1, 1)
     strategy: str = "auto"
     precision: str = "32"
     max_steps: int = checked(200, lambda v: v >= 1 or v == -1,

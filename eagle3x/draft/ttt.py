@@ -66,9 +66,12 @@ def ttt_step_metrics(draft: Eagle3Draft, batch: Dict[str, torch.Tensor], head: t
     """
     b, t = batch["input_ids"].shape
     targets_of_draft = torch.arange(draft.shape.draft_vocab_size, device=head.device) + draft.d2t
-    teacher_head = head[targets_of_draft]  # [Vd, Ht]: the verifier's logits over draft ids
     last = batch["last_hidden"]
-    greedy = verifier_targets(last, head, targets_of_draft, greedy_only=True)["greedy"]
+    # A batch of at most `chunk` positions: the verifier's log-probs over the draft vocab
+    # once for all positions and steps. Longer: recomputed per chunk from the stored states.
+    whole = b * t <= chunk
+    tgt = verifier_targets(last, head, targets_of_draft, greedy_only=not whole)
+    teacher_head = None if whole else head[targets_of_draft]  # [Vd, Ht]
     ids = batch["input_ids"]
     tokens = torch.cat([shift(ids, 1), ids.new_zeros(ids.shape[0], steps)], dim=1)
     hidden = draft.unroll_hidden(batch["aux_hidden"].to(draft.fc.weight.dtype), tokens, steps)
@@ -76,7 +79,8 @@ def ttt_step_metrics(draft: Eagle3Draft, batch: Dict[str, torch.Tensor], head: t
     total = hidden[0].new_zeros((), dtype=torch.float32)
     for k, hk in enumerate(hidden):
         rows, cols = valid_mask(batch["loss_mask"], batch["lengths"], k).nonzero(as_tuple=True)
-        h, teacher = hk[rows, cols], last[rows, cols + 1 + k]
+        h = hk[rows, cols]
+        teacher = (tgt["logp"] if whole else last)[rows, cols + 1 + k]
         ce, hits = hk.new_zeros((), dtype=torch.float32), 0
         for a in range(0, max(len(rows), 1), chunk):
             args = (draft, teacher_head, h[a:a + chunk], teacher[a:a + chunk])
@@ -87,7 +91,7 @@ def ttt_step_metrics(draft: Eagle3Draft, batch: Dict[str, torch.Tensor], head: t
             else:
                 ce_c, pred = _soft_ce(*args)
             ce = ce + ce_c
-            hits = hits + (pred == greedy[rows[a:a + chunk], cols[a:a + chunk] + 1 + k]).sum()
+            hits = hits + (pred == tgt["greedy"][rows[a:a + chunk], cols[a:a + chunk] + 1 + k]).sum()
         n = torch.tensor(len(rows), device=hk.device)
         loss_k = ce / n.clamp(min=1)
         total = total + (step_weight ** k) * loss_k
@@ -98,13 +102,19 @@ def ttt_step_metrics(draft: Eagle3Draft, batch: Dict[str, torch.Tensor], head: t
     return out
 
 
-def _soft_ce(draft: Eagle3Draft, teacher_head: torch.Tensor, hidden: torch.Tensor,
+def _soft_ce(draft: Eagle3Draft, teacher_head: Optional[torch.Tensor], hidden: torch.Tensor,
              teacher: torch.Tensor):
     """(sum over rows of the soft cross-entropy of the draft's logits against the verifier's
-    distribution over the draft vocabulary, the draft's top-1 as target ids)."""
+    distribution over the draft vocabulary, the draft's top-1 as target ids). `teacher`:
+    the verifier's log-probs over the draft vocab, or (with `teacher_head`) its last
+    hidden states."""
     logits = draft.head(hidden)
     with torch.no_grad():
-        p = torch.softmax((teacher.to(teacher_head.dtype) @ teacher_head.T).float(), -1)
+        if teacher_head is None:
+            p = teacher.exp()
+        else:
+            p = torch.log_softmax((teacher.to(teacher_head.dtype) @ teacher_head.T).float(),
+                                  -1).exp()
         pred = draft.draft_to_target(logits.argmax(-1))
     return -(p * torch.log_softmax(logits.float(), -1)).sum(), pred
 

@@ -79,7 +79,8 @@ def make_trainer(t: TrainerConfig, out: Path, logger: Any) -> Any:
     val_every = t.val_check_interval or max(1, t.max_steps // 4 if t.max_steps > 0 else 1000)
     devices: Any = t.devices if not str(t.devices).isdigit() else int(t.devices)
     return L.Trainer(
-        accelerator=t.accelerator, devices=devices, strategy=t.strategy, precision=t.precision,
+        accelerator=t.accelerator, devices=devices, num_nodes=t.num_nodes, strategy=t.strategy,
+        precision=t.precision,
         max_steps=t.max_steps, max_epochs=t.max_epochs if t.max_epochs else -1,
         gradient_clip_val=t.gradient_clip_val, accumulate_grad_batches=t.accumulate_grad_batches,
         log_every_n_steps=t.log_every_n_steps,

@@ -133,6 +133,24 @@ def _weights(run: Path) -> dict:
     return load_file(str(run / "draft" / "model.safetensors"))
 
 
+def _assert_same_training(a: Path, b: Path) -> None:
+    """Two runs' final float32 checkpoints: same step, same weights. Exact on a quiet
+    machine; once in a CI run one bf16 export weight differed by one rounding step, so
+    the float32 weights are compared to 1e-6 of their scale (a step trained on another
+    batch moves them by ~1e-3)."""
+    ca, cb = (torch.load(r / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+              for r in (a, b))
+    assert ca["global_step"] == cb["global_step"]
+    sa, sb = ca["state_dict"], cb["state_dict"]
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        if sa[k].is_floating_point():
+            err = (sa[k] - sb[k]).abs().max() / sa[k].abs().max().clamp(min=1e-8)
+            assert err < 1e-6, (k, float(err))
+        else:
+            assert torch.equal(sa[k], sb[k]), k
+
+
 def test_killed_training_resumes_at_the_same_step_with_the_same_data(cli, store, tmp_path):
     common = ["stage=train", "engine=hf", "logger=csv", "trainer.max_steps=40", "train.ttt_steps=3"]
     assert cli("stage=prepare").returncode == 0
@@ -155,9 +173,7 @@ def test_killed_training_resumes_at_the_same_step_with_the_same_data(cli, store,
     r = cli(*common, f"train.output_dir={killed}")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming from" in r.stdout + r.stderr
-    a, b = _weights(whole), _weights(killed)
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    _assert_same_training(whole, killed)
 
 
 def test_resume_from_an_explicit_checkpoint_path(fast_run, tmp_path):
@@ -168,9 +184,7 @@ def test_resume_from_an_explicit_checkpoint_path(fast_run, tmp_path):
     r = fast_run.cli("stage=train", "engine=hf", "logger=none", f"train.output_dir={other}",
                      f"train.resume={ckpt}", *FAST)
     assert r.returncode == 0 and "resuming" not in r.stdout  # explicit path, not auto
-    a, b = _weights(run), _weights(other)
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    _assert_same_training(run, other)
 
 
 @pytest.mark.vllm
