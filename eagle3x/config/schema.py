@@ -226,6 +226,9 @@ class TrainConfig:
     # Positions per chunk of the loss's [positions, draft vocab] logits (recomputed in
     # backward past one chunk), so no step keeps a [T, vocab] buffer.
     loss_chunk: int = at_least(64, 2048)
+    # Pack each training batch's samples into fewer rows (documents kept apart in
+    # attention and in the training-time test): the same loss, less padding computed.
+    pack: bool = False
     seed: int = 0
     # "auto": continue from this run folder's last checkpoint; "none"; or a .ckpt path.
     resume: str = "auto"

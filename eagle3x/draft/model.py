@@ -83,21 +83,25 @@ class Attention(nn.Module):
         return q, k, v  # k, v: num_kv_heads (ttt_attention repeats them for each query head)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
-                cache: List[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                cache: List[Tuple[torch.Tensor, torch.Tensor]],
+                docs: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Training-time-test attention. cache[0] holds the step-0 keys/values of every
         position (causal); cache[1:] hold earlier draft steps, seen only at the same
-        position (the chain a drafted token extends). The new step is appended."""
+        position (the chain a drafted token extends). The new step is appended. `docs`
+        [B, T] (packed rows): a position sees only positions of its own document."""
         q, k, v = self.qkv(x, positions)
         cache.append((k, v))
-        out = ttt_attention(q, cache, 1.0 / math.sqrt(self.s.head_dim), self.block)
+        out = ttt_attention(q, cache, 1.0 / math.sqrt(self.s.head_dim), self.block, docs)
         b, t = x.shape[:2]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
 def _attend(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, start: int, scale: float,
+            docs_q: Optional[torch.Tensor], docs_k: Optional[torch.Tensor],
             *same: torch.Tensor) -> torch.Tensor:
     """Queries at positions start.. over step-0 keys 0..(their position) and the
-    same-position keys/values of later steps (`same` = k1..kn, v1..vn, sliced like q)."""
+    same-position keys/values of later steps (`same` = k1..kn, v1..vn, sliced like q);
+    with document ids (docs_q [B, Tq], docs_k [B, Tk]) only keys of the query's document."""
     rep = q.shape[1] // k0.shape[1]
     if rep > 1:  # grouped-query attention: each kv head serves `rep` query heads
         k0, v0 = k0.repeat_interleave(rep, 1), v0.repeat_interleave(rep, 1)
@@ -105,6 +109,8 @@ def _attend(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, start: int, sca
     tq, tk = q.shape[2], k0.shape[2]
     causal = (torch.arange(tk, device=q.device)[None, :]
               <= torch.arange(start, start + tq, device=q.device)[:, None])
+    if docs_q is not None:
+        causal = causal & (docs_q[:, None, :, None] == docs_k[:, None, None, :])
     scores = [(q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]
     n = len(same) // 2
     if n:
@@ -118,27 +124,29 @@ def _attend(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, start: int, sca
 
 
 def ttt_attention(q: torch.Tensor, cache: List[Tuple[torch.Tensor, torch.Tensor]], scale: float,
-                  block: int = 512) -> torch.Tensor:
+                  block: int = 512, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
     """softmax(q . [causal step-0 keys | same-position keys of steps 1..]) @ values.
 
-    q is [B, heads, T, D], every cache entry [B, kv heads, T, D]. Up to `block` positions this is one dense
-    [T, T + steps] score matrix. Longer sequences go `block` queries at a time (each block
-    reads only the keys up to its last position), and under autograd each block is
-    recomputed in backward instead of kept (torch.utils.checkpoint): what stays alive for
-    backward is q, k, v (k, v at kv-head size) and the output, so memory grows linearly in T. The arithmetic per
-    query is the dense path's, so the two agree to rounding.
+    q is [B, heads, T, D], every cache entry [B, kv heads, T, D]. Up to `block` positions
+    this is one dense [T, T + steps] score matrix. Longer sequences go `block` queries at a
+    time (each block reads only the keys up to its last position), and under autograd each
+    block is recomputed in backward instead of kept (torch.utils.checkpoint): what stays
+    alive for backward is q, k, v (k, v at kv-head size) and the output, so memory grows
+    linearly in T. The arithmetic per query is the dense path's, so the two agree to
+    rounding. `docs` [B, T]: document ids of packed rows (attention stays within one).
     """
     (k0, v0), later = cache[0], cache[1:]
     t = q.shape[2]
     same = [kj for kj, _ in later] + [vj for _, vj in later]
     if t <= block:
-        return _attend(q, k0, v0, 0, scale, *same)
+        return _attend(q, k0, v0, 0, scale, docs, docs, *same)
     from torch.utils.checkpoint import checkpoint
 
     outs = []
     for a in range(0, t, block):
         e = min(a + block, t)
         args = (q[:, :, a:e], k0[:, :, :e], v0[:, :, :e], a, scale,
+                None if docs is None else docs[:, a:e], None if docs is None else docs[:, :e],
                 *[x[:, :, a:e] for x in same])
         if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k0, v0, *same)):
             outs.append(checkpoint(_attend, *args, use_reentrant=False))
@@ -167,10 +175,10 @@ class MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.mlp = MLP(s)
 
-    def forward(self, embeds, hidden, positions, cache):
+    def forward(self, embeds, hidden, positions, cache, docs=None):
         residual = hidden
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        h = self.self_attn(x, positions, cache) + residual
+        h = self.self_attn(x, positions, cache, docs) + residual
         if h.shape[1] > self.self_attn.block and torch.is_grad_enabled():
             # long sequences: the MLP (4 x intermediate per position) is recomputed in
             # backward rather than kept, the largest per-position term of a step
@@ -205,12 +213,15 @@ class Eagle3Draft(nn.Module):
         return self.head(h), h
 
     def unroll_hidden(self, aux: torch.Tensor, token_ids: torch.Tensor, steps: int,
-                      positions: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+                      positions: Optional[torch.Tensor] = None,
+                      docs: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
         """Training-time test over a whole sequence, stopping before the head.
 
         aux [B, T, 3Ht]: verifier features at each position; token_ids [B, T + steps]:
         the tokens each step reads (step k at position t reads token_ids[:, t + k]).
         Returns each step's pre-norm hidden state [B, T, H]; `head(h)` gives its logits.
+        Packed rows (several samples each) pass each position's document id in `docs` and
+        its position within the document in `positions`.
         """
         b, t, _ = aux.shape
         if positions is None:
@@ -220,7 +231,7 @@ class Eagle3Draft(nn.Module):
         out = []
         for k in range(steps):
             hidden = self.midlayer(self.embed_tokens(token_ids[:, k:k + t]), hidden,
-                                   positions + k, cache)
+                                   positions + k, cache, docs)
             out.append(hidden)
         return out
 

@@ -46,11 +46,14 @@ def verifier_targets(last: torch.Tensor, head: torch.Tensor, draft_targets: torc
     return out
 
 
-def valid_mask(loss_mask: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
-    """Positions whose step-k prediction is trained."""
+def valid_mask(loss_mask: torch.Tensor, lengths: torch.Tensor, k: int,
+               doc_end: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Positions whose step-k prediction is trained. `doc_end` [B, T] (packed rows): where
+    each position's document ends; a prediction never reaches into the next document."""
     b, t = loss_mask.shape
     pos = torch.arange(t, device=loss_mask.device).expand(b, t)
-    return (pos + 2 + k < lengths[:, None]) & shift(loss_mask, 2 + k).bool()
+    end = lengths[:, None] if doc_end is None else doc_end
+    return (pos + 2 + k < end) & shift(loss_mask, 2 + k).bool()
 
 
 def ttt_step_metrics(draft: Eagle3Draft, batch: Dict[str, torch.Tensor], head: torch.Tensor,
@@ -74,11 +77,13 @@ def ttt_step_metrics(draft: Eagle3Draft, batch: Dict[str, torch.Tensor], head: t
     teacher_head = None if whole else head[targets_of_draft]  # [Vd, Ht]
     ids = batch["input_ids"]
     tokens = torch.cat([shift(ids, 1), ids.new_zeros(ids.shape[0], steps)], dim=1)
-    hidden = draft.unroll_hidden(batch["aux_hidden"].to(draft.fc.weight.dtype), tokens, steps)
+    hidden = draft.unroll_hidden(batch["aux_hidden"].to(draft.fc.weight.dtype), tokens, steps,
+                                 batch.get("positions"), batch.get("docs"))
     out: Dict[str, torch.Tensor] = {}
     total = hidden[0].new_zeros((), dtype=torch.float32)
     for k, hk in enumerate(hidden):
-        rows, cols = valid_mask(batch["loss_mask"], batch["lengths"], k).nonzero(as_tuple=True)
+        rows, cols = valid_mask(batch["loss_mask"], batch["lengths"], k,
+                                batch.get("doc_end")).nonzero(as_tuple=True)
         h = hk[rows, cols]
         teacher = (tgt["logp"] if whole else last)[rows, cols + 1 + k]
         ce, hits = hk.new_zeros((), dtype=torch.float32), 0

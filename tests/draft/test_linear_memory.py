@@ -124,3 +124,60 @@ def test_what_backward_keeps_grows_linearly_in_t_where_the_dense_path_grows_quad
     assert all(1.8 < b / a < 2.2 for a, b in zip(new, new[1:])), new
     assert old[2] / old[1] > 3.3 and old[2] / old[1] > old[1] / old[0], old
     assert new[-1] < old[-1] / 5
+
+
+# --------------------------------------------------------------------------------------
+# Packed batches: several samples per row, kept apart
+# --------------------------------------------------------------------------------------
+
+def samples_for(seed: int, lengths) -> list:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        mask = torch.randint(0, 2, (n,), generator=g, dtype=torch.uint8)
+        out.append({"input_ids": torch.randint(1, VT, (n,), generator=g), "loss_mask": mask,
+                    "aux_hidden": torch.randn(n, 3 * TH, generator=g),
+                    "last_hidden": 2 * torch.randn(n, TH, generator=g)})
+    return out
+
+
+@pytest.mark.parametrize("block,chunk", [(512, 2048), (8, 5)])
+def test_a_packed_batch_gives_the_unpacked_batchs_loss_accuracy_and_gradients(block, chunk):
+    from eagle3x.data.datamodule import collate, collate_packed
+
+    samples = samples_for(5, [23, 9, 7, 14, 3, 12, 6])
+    packed, plain = collate_packed(samples), collate(samples)
+    assert packed["input_ids"].shape[0] < plain["input_ids"].shape[0]  # fewer rows
+    assert int(packed["lengths"].sum()) == int(plain["lengths"].sum())
+    draft, _, head = draft_and_batch(6, 8, [8], block=block)
+    a = ttt_step_metrics(draft, packed, head, 4, 0.8, chunk=chunk)
+    ga = grads(draft, a["loss"])
+    b = ttt_step_metrics(draft, plain, head, 4, 0.8, chunk=chunk)
+    gb = grads(draft, b["loss"])
+    for k in range(4):
+        assert int(a[f"count_{k}"]) == int(b[f"count_{k}"]) > 0
+        assert float(a[f"acc_{k}"]) == float(b[f"acc_{k}"])
+        assert float(a[f"loss_{k}"]) == pytest.approx(float(b[f"loss_{k}"]), rel=1e-5)
+    for n in gb:
+        scale = gb[n].abs().max().clamp(min=1e-6)
+        assert (ga[n] - gb[n]).abs().max() / scale < 1e-5, n
+
+
+def test_packing_keeps_every_sample_whole_in_one_row_with_its_own_positions():
+    from eagle3x.data.datamodule import collate_packed
+
+    samples = samples_for(7, [10, 4, 6, 3, 7])
+    p = collate_packed(samples)
+    assert p["input_ids"].shape == (3, 10)  # 10 | 4+6 | 7+3
+    found = []
+    for r in range(p["input_ids"].shape[0]):
+        for d in p["docs"][r].unique().tolist():
+            if d < 0:
+                continue
+            where = (p["docs"][r] == d).nonzero().flatten()
+            assert torch.equal(where, torch.arange(where[0], where[-1] + 1))  # contiguous
+            assert torch.equal(p["positions"][r, where], torch.arange(len(where)))
+            assert bool((p["doc_end"][r, where] == where[-1] + 1).all())
+            ids = p["input_ids"][r, where]
+            found.append(next(i for i, s in enumerate(samples) if torch.equal(s["input_ids"], ids)))
+    assert sorted(found) == list(range(len(samples)))
