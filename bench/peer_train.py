@@ -1,71 +1,88 @@
 """One EAGLE-3 training forward+backward: eagle3x vs vllm-project/speculators 0.9.0, side by side.
 
-    python bench/peer_train.py                        # defaults below, ~10 min on 2 cores
-    python bench/peer_train.py --lengths 512,1024 --repeats 2 --hidden 512 ...
+    python bench/peer_train.py                 # defaults: about 10 min on one core
+    python bench/peer_train.py --lengths 512,1024 --hidden 512 --heads 4 --kv-heads 4 ...
+    python bench/peer_train.py --only peer --lengths 1024 --peer-lm-head trained
+
+Installing the peer (kept out of eagle3x's venv; any pip will do):
+    pip install --no-deps --target /work/peer-site speculators==0.9.0 hs-connectors
+Its runtime dependencies (pydantic, pydantic-settings, loguru, datasets, transformers, ...)
+are already in eagle3x's venv; nothing else was needed. The folder is `--peer-site`, else
+$EAGLE3X_PEER_SITE, else `peer-site` next to the repository (../peer-site from the repo
+root). It goes on sys.path only in the subprocesses that build the peer (and in --check's).
 
 What is measured
-    For each sequence length T and each implementation, one training step without the
-    optimizer: the implementation's own loss function from the inputs (teacher logits
-    included), then `loss.backward()`; batch 1, float32, CPU, no autocast, no torch.compile.
-      eagle3x : `ttt_step_metrics(draft, batch, head, steps, step_weight)["loss"]`, the
-                function the Lightning module trains with, on `Eagle3Draft` - whatever
-                eagle3x/draft/{model,ttt}.py contain when the benchmark runs.
-      peer    : `speculators.models.eagle3.Eagle3DraftModel.forward(...)` with
-                `verifier_last_hidden_states` (it returns draft tokens, loss, metrics),
-                built from an `Eagle3SpeculatorConfig` around a `LlamaConfig`.
-    Time: median over `--repeats` timed runs after `--warmup` untimed ones (a per-point time
-    budget may cut repeats short; at least one timed run is always kept) -> tokens/s = T/s.
-    Memory: each (implementation, T) runs in a fresh subprocess. After the model, the inputs
-    and the verifier head exist, the kernel's RSS high-water mark is reset (write "5" to
-    /proc/self/clear_refs) and the current RSS recorded; peak = VmHWM at the end minus that
-    baseline, i.e. activations, autograd state, gradients, masks and the allocator's slack.
-    Where clear_refs cannot be written the fallback is growth of ru_maxrss over its value at
-    the baseline (an underestimate only if construction spiked above the training peak).
-    Grads are set to None before each run, as Lightning's zero_grad does, so each peak
-    includes allocating the gradients. Optimizer state is not included (see below).
-    A size is skipped for an implementation when a fit through its previous peaks (a*T + c*T^2)
-    predicts more than `--mem-limit-gb`; a watchdog thread also stops a child whose RSS
-    crosses the limit. Both are reported in the table.
+    For each sequence length T and each implementation, one training step minus the
+    optimizer: the implementation's own loss from the raw inputs (teacher logits included),
+    then `loss.backward()`; batch 1, float32, CPU, no autocast, no torch.compile.
+      eagle3x : `ttt_step_metrics(draft, batch, head, steps, step_weight)["loss"]` on an
+                `Eagle3Draft`, as DraftModule trains it, with that code's default knobs -
+                whatever eagle3x/draft/{model,ttt}.py hold when each child starts (each
+                eagle3x point records a digest of those two files; the tree was being edited).
+      peer    : `speculators.models.eagle3.Eagle3DraftModel(config).forward(...,
+                verifier_last_hidden_states=..., ttt_steps=...)`, which returns (draft tokens,
+                loss, metrics); config = `Eagle3SpeculatorConfig` around a one-layer
+                `LlamaConfig`, random weights, no verifier checkpoint, nothing downloaded.
+    Time: median of up to `--repeats` timed runs after `--warmup` untimed ones. The warmup
+    runs use `--warmup-steps` TTT steps (default 2: same T, same kernels and shapes, a
+    fraction of the time). Timed runs stop once they add up to `--budget-s` (at least one
+    is kept), so the long sizes get one. tokens/s = T / median wall seconds. Process CPU
+    time is recorded as well; with the default single torch thread wall ~= CPU time when the
+    machine is quiet, and the printed "% of core busy" exposes contention. One thread
+    because this 2-core VM is shared: two OpenMP threads stall on each other whenever a
+    neighbour takes a core (measured: 2-3x run-to-run swings), one thread does not.
+    Memory: each (implementation, T) runs in a fresh subprocess. Once model, inputs and
+    verifier head exist, the kernel's RSS high-water mark is reset (write "5" to
+    /proc/self/clear_refs) and the current RSS noted; peak = VmHWM at the end minus that
+    baseline: activations, autograd state, gradients, masks, allocator slack. Where
+    clear_refs is not writable the fallback is ru_maxrss growth over its value at the
+    baseline (an underestimate only if construction spiked above the training peak). Grads
+    are set to None before each run (as zero_grad does), so the peak includes allocating
+    them. A size is skipped when a fit through the implementation's previous peaks (a*T +
+    c*T^2) predicts more than `--mem-limit-gb`, and a watchdog thread stops a child whose
+    RSS crosses it; both are reported.
 
-Same shapes and inputs
-    Both take the same H, heads, kv heads, head_dim, intermediate size, draft/target vocab,
-    T, TTT steps and loss decay, and the same seeded tensors: input ids, auxiliary hidden
-    states [1,T,3H], verifier last hidden states [1,T,H], embedding table and verifier head
-    (draft vocab = the first Vd target ids: d2t = zeros, t2d = first Vd True). Every
-    draft-layer weight is drawn from the same per-name seed, so both compute the same draft.
-    `--check` (on by default) verifies that before timing: at T=--check-length both
-    implementations' per-step draft logits must agree to float32 tolerance (run in one
-    process, the only one that has both on its path).
+Same function, same inputs
+    Same H, heads, kv heads, head_dim, intermediate size, draft/target vocab, T, TTT steps
+    and loss decay; the same seeded tensors: input ids, auxiliary hidden states [1,T,3H],
+    verifier last hidden states [1,T,H], embedding table, verifier head (draft vocab = the
+    first Vd target ids: d2t = zeros, t2d = first Vd True), and every draft weight drawn from
+    a per-name seed. The peer gets the sequence as its shift_batch() leaves it (position i
+    reads token x[i+1] with the features of x[i], positions from 1), so both run the same
+    T positions. `--check` (default on) first runs both in one process at --check-length and
+    requires their per-step draft logits to agree to float32 tolerance: the two compute the
+    same draft (same TTT attention pattern: causal over step 0, same position for later
+    steps; same token feeding; same residual/norm placement).
 
-What differs (each is measured as its trainer runs it)
-  * Attention. speculators' TTT appends every step's keys/values to a DynamicCache and
-    attends over all (k+1)*T of them with a mask (causal on step 0, diagonal on later
-    steps). Its default `simple_flex_attention` skips the masked blocks only when flex
-    attention is compiled, which the model does only under CUDA (`conditional_torch_compile`
-    in speculators/models/utils.py). On CPU the default runs flex attention unfused; the
-    documented fallback, `draft_attn_impl` = "sdpa" | "eager" ("for hardware that doesn't
-    support flex attention", speculators/train/config/schema.py), builds dense masks.
-    `--peer-attn` picks one; default sdpa (see the report for why).
-  * Loss. speculators defaults to Triton "fused" losses, which need a GPU; its documented
-    `loss_implementation="eager"` (kl_div) is used here. speculators: KL(p_teacher || q) over
-    the draft vocab, teacher = verifier_lm_head(verifier_norm(last)) computed over the draft
-    vocab only, steps weighted decay**k, each step averaged over its positions. eagle3x: soft
-    cross-entropy (= KL + teacher entropy, same gradient) against the verifier head over the
-    *full* target vocab (for greedy accuracy), restricted to the draft vocab for the loss,
-    weighted step_weight**k. Both also compute per-step accuracy metrics. Masked tail
-    positions differ by a few tokens per step; both compute logits at every position.
+What differs (each as its own trainer runs it; the flags switch some of it)
+  * Attention. speculators' TTT appends every step's keys/values to a DynamicCache, so
+    step k attends over (k+1)*T keys through a mask (causal on the first T, diagonal on the
+    rest). Its default `simple_flex_attention` cannot train on CPU at all: torch raises
+    "NotImplementedError: FlexAttention does not support backward on CPU"
+    (torch/nn/attention/flex_attention.py, _validate_device, reached from
+    speculators/models/attention.py flex_attention_forward), compiled or not - and the model
+    compiles only under CUDA anyway (conditional_torch_compile, speculators/models/utils.py).
+    Its documented fallback `draft_attn_impl` "sdpa" | "eager" ("for hardware that doesn't
+    support flex attention", speculators/train/config/schema.py) builds dense masks
+    [T, (k+1)*T]: sdpa (default here, `--peer-attn`) runs the fused CPU kernel, computing
+    the masked-out blocks but keeping no score matrix; eager keeps the [heads, T, (k+1)*T]
+    probabilities for backward. On a GPU with compiled flex attention the peer skips the
+    masked blocks, which this CPU benchmark cannot show.
+  * Loss. speculators' default losses are Triton kernels ("fused"; loss_config=None also
+    means the fused KL); on CPU Triton fails with "RuntimeError: 0 active drivers"
+    (triton/runtime/driver.py, from speculators/losses/fused.py). Its documented
+    `loss_implementation="eager"` KL is used (`--peer-loss`). Forms: speculators,
+    KL(p || q) with teacher p = softmax(verifier_lm_head(verifier_norm(last))) over the
+    draft vocab only, each step a mean over T-k positions, weighted decay**k. eagle3x: soft
+    cross-entropy (= KL + teacher entropy: same gradient) against the verifier head applied
+    to the stored (already normed) last states, over the draft vocab, plus the verifier's
+    greedy token over the full target vocab for accuracy; steps over the T-2-k positions
+    with a next token, weighted step_weight**k. Both compute per-step accuracies.
   * Trainable parameters. speculators freezes the draft lm_head (DraftVocabMixin) and the
-    embeddings; eagle3x trains lm_head and freezes embeddings (train.freeze_embeddings=true).
-    `--peer-lm-head trained` makes the peer train lm_head too (equal parameter sets).
-  * Not included: optimizer step and its state, grad clipping, data loading, the peer's
-    bf16 autocast (its trainer runs under autocast to hidden_states_dtype; here both are fp32).
-
-Installing the peer (kept out of the main venv; any pip can do it):
-    pip install --no-deps --target /work/peer-site speculators==0.9.0 hs-connectors
-Its runtime dependencies (pydantic, pydantic-settings, loguru, transformers, ...) are already
-in eagle3x's venv. The peer's folder is `--peer-site`, else $EAGLE3X_PEER_SITE, else
-`peer-site` next to the repository (../peer-site from the repo root). It is put on sys.path
-only inside the subprocesses that build the peer (and in the --check process).
+    embeddings; eagle3x trains lm_head and freezes the embeddings (freeze_embeddings=true).
+    `--peer-lm-head trained` gives the peer eagle3x's parameter set.
+  * Left out of both: optimizer step and state, grad clipping, data loading, and the
+    peer's autocast (its trainer runs under autocast to hidden_states_dtype; here fp32).
 """
 
 from __future__ import annotations
@@ -94,7 +111,7 @@ MODELS = ("eagle3x", "peer")
 
 def _status_kb(field: str) -> int:
     with open("/proc/self/status") as f:
-        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1))
+        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.MULTILINE).group(1))
 
 
 def reset_peak() -> str:
@@ -169,8 +186,10 @@ def layer_weights(cfg: dict) -> dict:
 
 def build_eagle3x(cfg: dict, x: dict):
     """eagle3x's draft as DraftModule builds it (embeddings frozen, lm_head = verifier rows).
-    Returns (module, step) where step() returns (loss, per-step logits or None)."""
+    Returns (module, step, logits): step(steps) -> the training loss; logits() -> the
+    per-step draft logits, for --check."""
     import torch
+
     from eagle3x.draft.model import DraftShape, Eagle3Draft
     from eagle3x.draft.ttt import ttt_step_metrics
 
@@ -208,13 +227,14 @@ def build_eagle3x(cfg: dict, x: dict):
 def build_peer(cfg: dict, x: dict):
     """speculators' Eagle3DraftModel from a config (no verifier checkpoint, nothing downloaded),
     with the shared weights copied in. The peer's sequence is x's ids shifted by one, as its
-    shift_batch() leaves it: position i reads token x[i+1] with the hidden state of x[i]."""
+    shift_batch() leaves it: position i reads token x[i+1] with the hidden state of x[i].
+    Returns (module, step, logits) like build_eagle3x."""
     import torch
-    from transformers import LlamaConfig
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.losses import resolve_loss_config
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import LlamaConfig
 
     H, Vd, Vt, T = cfg["hidden"], cfg["draft_vocab"], cfg["target_vocab"], cfg["length"]
     layer = LlamaConfig(hidden_size=H, intermediate_size=cfg["intermediate"],
@@ -288,9 +308,9 @@ def git_describe() -> str:
     """HEAD and whether eagle3x/ has uncommitted changes (read-only git calls)."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
-                              capture_output=True).stdout.strip()
+                              capture_output=True, check=False).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "eagle3x"], cwd=REPO,
-                               text=True, capture_output=True).stdout.strip()
+                               text=True, capture_output=True, check=False).stdout.strip()
         return f"git {head}{' + uncommitted eagle3x/ changes' if dirty else ''}"
     except OSError:
         return "git unavailable"
@@ -376,7 +396,7 @@ def run_child(kind: str, cfg: dict, timeout: float) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                           cwd=REPO)
+                           cwd=REPO, check=False)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f}s"}
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
@@ -440,8 +460,9 @@ def parse() -> argparse.Namespace:
       help="frozen is what speculators trains; trained matches eagle3x's parameter set")
     a("--only", choices=MODELS, default=None, help="measure one implementation")
     a("--check", action=argparse.BooleanOptionalAction, default=True,
-      help="first verify both compute the same draft logits (small T)")
-    a("--check-length", type=int, default=128)
+      help="first verify both compute the same draft logits")
+    a("--check-length", type=int, default=600,
+      help="T of the check; past 512 so eagle3x's block-by-block attention is covered")
     a("--json", default=None, help="also write all results to this file")
     return p.parse_args()
 
@@ -551,8 +572,9 @@ def main() -> None:
             print(f"note: {r['model']} T={r['length']}: {r['error']}")
     versions = {m: sorted({r["version"] for r in results["points"]
                            if r["model"] == m and "version" in r}) for m in models}
-    print(f"measured: {'; '.join(', '.join(v) for v in versions.values() if v)} "
-          f"({git_describe()})")
+    if any(versions.values()):
+        print(f"measured: {'; '.join(', '.join(v) for v in versions.values() if v)} "
+              f"({git_describe()})")
     if len(versions.get("eagle3x", [])) > 1:
         print("note: eagle3x's draft code changed during the run; --json says which point "
               "measured which")

@@ -228,7 +228,7 @@ class TrainConfig:
     loss_chunk: int = at_least(64, 2048)
     # Pack each training batch's samples into fewer rows (documents kept apart in
     # attention and in the training-time test): the same loss, less padding computed.
-    pack: bool = False
+    pack: bool = True
     seed: int = 0
     # "auto": continue from this run folder's last checkpoint; "none"; or a .ckpt path.
     resume: str = "auto"

@@ -3,7 +3,9 @@
 Takes plain arguments (folder, split, batch size, seed, workers). Handed a
 ``HiddenStates`` source, `prepare_data()` builds whatever is missing (prepared data,
 hidden states) through the extraction layer and engine, the same code ``stage=extract``
-runs. `setup()` opens the shards memory-mapped. Batches pad to the longest sample and carry lengths and loss masks.
+runs. `setup()` opens the shards memory-mapped. Training batches are packed (several
+samples per row, `collate_packed`), validation batches pad to the longest sample; both
+carry lengths and loss masks.
 The training order is a pure function of (seed, global step): a resumed run reads the
 same batches from the step it stopped at.
 """
@@ -142,7 +144,7 @@ class HiddenStateDataModule(L.LightningDataModule):
     """
 
     def __init__(self, hidden_dir: str | Path, split: Split, *, batch_size: int, seed: int = 0,
-                 num_workers: int = 0, verify: str = "size", pack: bool = False,
+                 num_workers: int = 0, verify: str = "size", pack: bool = True,
                  source: Optional[HiddenStates] = None):
         super().__init__()
         self.pack = pack
