@@ -6,8 +6,9 @@ hidden states) through the extraction layer and engine, the same code ``stage=ex
 runs. `setup()` opens the shards memory-mapped. Training batches are packed (several
 samples per row, `collate_packed`), validation batches pad to the longest sample; both
 carry lengths and loss masks.
-The training order is a pure function of (seed, global step): a resumed run reads the
-same batches from the step it stopped at.
+The training order is a pure function of the seed and the global sample index
+(`StepBatchSampler`): a resumed run reads the same batches from the step it stopped at,
+on any number of processes with the same global batch.
 """
 
 from __future__ import annotations
