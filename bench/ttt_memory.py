@@ -4,11 +4,14 @@ loss), side by side in one run.
 
     python bench/ttt_memory.py                  # measured sweep + extrapolation table
     python bench/ttt_memory.py --lengths 512,1024 --skip-extrapolation
+    python bench/ttt_memory.py --device cuda --real Llama-3-8B --lengths 2048,8192,32768 \
+        --dense-max 8192 --skip-extrapolation        # on a GPU: checks the table below
 
 1. Measured (CPU): one forward + backward of `ttt_step_metrics` per (implementation, T),
    each in a fresh process; peak memory is the growth of the process's peak RSS
    (ru_maxrss) over what it held after building the draft and inputs and a warm-up at
-   T=64. Step time is the median of `--repeats` runs. Growth ratios per doubling of T.
+   T=64. Step time is the median of `--repeats` runs after one untimed run at that T.
+   Growth ratios per doubling of T. (`--device cuda`: the allocator's peak instead.)
 2. Extrapolation: what autograd keeps for backward is counted exactly, on PyTorch's `meta`
    device (shapes only, no arithmetic), for real draft shapes and T up to 64K, through
    saved-tensor hooks (distinct storages); at small shapes the count is printed next to
@@ -118,17 +121,30 @@ def child(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     shape = json.loads(args.shape)
     fn = metrics_fn(args.impl)
-    warm_d, warm_b, warm_h = build(shape, 64, "cpu", args.block)
+    cuda = args.device == "cuda"
+    warm_d, warm_b, warm_h = build(shape, 64, args.device, args.block)
     fn(warm_d, warm_b, warm_h, args.steps, args.chunk)["loss"].backward()
-    draft, batch, head = build(shape, args.t, "cpu", args.block)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    del warm_d, warm_b, warm_h
+    draft, batch, head = build(shape, args.t, args.device, args.block)
+    if cuda:  # GPU: the allocator's own peak over what the model and inputs hold
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() / 1024
+    else:
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # an untimed run at this T first: oneDNN builds its kernels per matrix shape on the
+    # first call (seconds on this CPU), which is not training speed
+    fn(draft, batch, head, args.steps, args.chunk)["loss"].backward()
     times = []
     for _ in range(args.repeats):
         draft.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         fn(draft, batch, head, args.steps, args.chunk)["loss"].backward()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = (torch.cuda.max_memory_allocated() / 1024 if cuda
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     times.sort()
     print(json.dumps({"impl": args.impl, "t": args.t, "grow_mb": (peak - base) / 1024,
                       "seconds": times[len(times) // 2]}))
@@ -136,7 +152,8 @@ def child(args: argparse.Namespace) -> None:
 
 def measure(impl: str, t: int, a: argparse.Namespace) -> Dict:
     cmd = [sys.executable, __file__, "--child", "--impl", impl, "--t", str(t),
-           "--shape", json.dumps(SMALL), "--steps", str(a.steps), "--block", str(a.block),
+           "--device", a.device, "--shape", json.dumps(a.shape), "--steps", str(a.steps),
+           "--block", str(a.block),
            "--chunk", str(a.chunk), "--repeats", str(a.repeats)]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=3600)
     if r.returncode != 0:
@@ -150,10 +167,11 @@ def fmt_mb(x: float) -> str:
 
 def measured_table(a: argparse.Namespace) -> None:
     lengths = [int(x) for x in a.lengths.split(",")]
-    print(f"## Measured on this machine (CPU, float32, batch 1, {a.steps} TTT steps; draft "
-          f"H={SMALL['hidden']}, {SMALL['heads']} heads, intermediate {SMALL['intermediate']}, "
-          f"draft vocab {SMALL['draft_vocab']}, verifier vocab {SMALL['target_vocab']}; "
-          f"block {a.block}, loss chunk {a.chunk})\n")
+    sh = a.shape
+    print(f"## Measured on this machine ({a.device}, float32, batch 1, {a.steps} TTT steps; "
+          f"draft H={sh['hidden']}, {sh['heads']} heads ({sh['kv_heads']} kv), intermediate "
+          f"{sh['intermediate']}, draft vocab {sh['draft_vocab']}, verifier vocab "
+          f"{sh['target_vocab']}; block {a.block}, loss chunk {a.chunk})\n")
     print("| T | dense: peak growth | dense: s/step | linear: peak growth | linear: s/step "
           "| memory ratio | time ratio | linear: kept (meta count) |")
     print("|---|---|---|---|---|---|---|---|")
@@ -162,7 +180,7 @@ def measured_table(a: argparse.Namespace) -> None:
     for t in lengths:
         dense = measure("dense", t, a) if t <= a.dense_max else {"error": "skipped"}
         new = measure("linear", t, a)
-        kept = kept_bytes("linear", SMALL, t, a.steps, a.block, a.chunk) / 2 ** 20
+        kept = kept_bytes("linear", a.shape, t, a.steps, a.block, a.chunk) / 2 ** 20
         rows.append((t, dense, new))
 
         def cell(m, key):
@@ -256,7 +274,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--block", type=int, default=512)
     p.add_argument("--chunk", type=int, default=2048)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: measure on the GPU (allocator peak) instead of the CPU (RSS)")
+    p.add_argument("--real", default=None, choices=sorted(REAL),
+                   help="measure a real draft shape (e.g. Llama-3-8B on a GPU) instead of "
+                        "the small one")
     p.add_argument("--skip-measured", action="store_true")
     p.add_argument("--skip-extrapolation", action="store_true")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -267,6 +290,7 @@ def main() -> None:
     if a.child:
         child(a)
         return
+    a.shape = REAL[a.real] if a.real else SMALL
     import torch
 
     print(f"# bench/ttt_memory.py — {time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}, "
