@@ -26,26 +26,39 @@ from pathlib import Path
 from typing import Iterator, List, Optional, Sequence
 
 JOB_ENV = "EAGLE3X_DDP_JOB"
+DIR_ENV = "EAGLE3X_DDP_DIR"
+#: Hydra settings a rank must not copy from its job: the rank is one plain job in the job's
+#: folder, not a sweep, and has its own log name.
+_NOT_FOR_RANKS = ("hydra.run.", "hydra.sweep.", "hydra.mode", "hydra.job.name", "hydra.job.num",
+                  "hydra.job.id", "hydra.output_subdir", "hydra/launcher", "hydra/sweeper",
+                  "hydra.launcher", "hydra.sweeper")
 
 
-def share_job(overrides: Sequence[str], job_dir: Optional[Path]) -> None:
-    """Record this job's overrides and folder for the rank processes Lightning starts."""
-    keep = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.run.", "hydra.sweep."))]
-    os.environ[JOB_ENV] = json.dumps({"overrides": keep,
-                                      "dir": str(job_dir) if job_dir else None})
+def share_job(overrides: Sequence[str], hydra_overrides: Sequence[str],
+              job_dir: Optional[Path]) -> None:
+    """Record this job's overrides (its own and its `hydra.*` ones, which Hydra keeps
+    apart) and folder for the rank processes Lightning starts."""
+    keep = [o for o in hydra_overrides if not o.lstrip("+~").startswith(_NOT_FOR_RANKS)]
+    os.environ[JOB_ENV] = json.dumps({"overrides": list(overrides) + keep})
+    if job_dir:
+        os.environ[DIR_ENV] = str(job_dir)
+    else:
+        os.environ.pop(DIR_ENV, None)
 
 
 def worker_argv() -> Optional[List[str]]:
     """In a rank process Lightning started (LOCAL_RANK >= 1 and a shared job): the command
-    line of that one job; else None."""
+    line of that one job; else None. The job folder travels in its own variable and is
+    read by OmegaConf (no quoting of a path inside an override)."""
     raw, rank = os.environ.get(JOB_ENV), os.environ.get("LOCAL_RANK", "0")
     if not raw or not rank.isdigit() or int(rank) == 0:
         return None
-    job = json.loads(raw)
-    argv = list(job["overrides"])
-    if job["dir"]:
-        argv.append(f"hydra.run.dir={json.dumps(job['dir'])}")
-    return argv + ["hydra.output_subdir=null", f"hydra.job.name=rank{rank}"]
+    argv = list(json.loads(raw)["overrides"])
+    if os.environ.get(DIR_ENV):
+        argv.append("hydra.run.dir=${oc.env:" + DIR_ENV + "}")
+    node = os.environ.get("NODE_RANK", "0")
+    name = f"rank{rank}" if node == "0" else f"node{node}-rank{rank}"
+    return argv + ["hydra.output_subdir=null", f"hydra.job.name={name}"]
 
 
 _LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
@@ -58,14 +71,15 @@ def fit_scope() -> Iterator[None]:
     os.environ (and `LightningEnvironment.creates_processes_externally` then reads
     LOCAL_RANK as "someone else started the ranks", so the next job would wait for ranks
     nobody starts) and the process group open."""
+    import torch.distributed as dist
+
     saved = {k: os.environ.get(k) for k in _LAUNCH_ENV}
+    had_group = dist.is_available() and dist.is_initialized()
     try:
         yield
     finally:
         if saved["LOCAL_RANK"] is None:  # this process launched the ranks (or ran alone)
-            import torch.distributed as dist
-
-            if dist.is_available() and dist.is_initialized():
+            if dist.is_available() and dist.is_initialized() and not had_group:
                 dist.destroy_process_group()
             for k, v in saved.items():
                 if v is None:

@@ -186,7 +186,9 @@ def _share_job_with_ranks() -> None:
                 if type(h) is logging.StreamHandler:
                     h.setLevel(logging.ERROR)
             return
-        distributed.share_job(list(HydraConfig.get().overrides.task), _hydra_job_dir())
+        hc = HydraConfig.get()
+        distributed.share_job(list(hc.overrides.task), list(hc.overrides.hydra),
+                              _hydra_job_dir())
     except ValueError:  # HydraConfig not set in this process
         pass
 

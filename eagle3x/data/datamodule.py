@@ -106,7 +106,8 @@ class StepBatchSampler:
     step on rank r of `world` reads the `batch_size` samples at offset (i*world + r) *
     batch_size. So one process with batch_size=G and two with G/2 train on the same
     samples at every step, and a run resumed on another number of processes (same G)
-    continues where it stopped (a global batch larger than the data wraps around it).
+    continues where it stopped (a global batch larger than the data: all of it, for one
+    process; refused with several, whose slices would repeat samples).
     Iteration starts at micro-batch `start()`.
     """
 
@@ -114,6 +115,13 @@ class StepBatchSampler:
                  rank: int = 0, world: int = 1, accumulate: int = 1, total: int = 10 ** 9):
         if world * accumulate == 1:
             batch_size = min(batch_size, n)  # a batch larger than the data: all of it
+        elif batch_size * world * accumulate > n:
+            from eagle3x.data.conversations import DataError
+
+            raise DataError(
+                f"the global batch ({batch_size} x {world} processes x {accumulate} "
+                f"accumulated = {batch_size * world * accumulate} samples) is larger than the "
+                f"{n} training samples; lower train.batch_size or use more data")
         self.n, self.bs, self.seed, self.start = n, batch_size, seed, start
         self.rank, self.world, self.accumulate, self.total = rank, world, accumulate, total
         self.global_batch = batch_size * world * accumulate

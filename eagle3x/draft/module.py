@@ -96,15 +96,17 @@ class DraftModule(L.LightningModule):
             self._val.setdefault(f"loss_{k}", []).append(m[f"loss_{k}"] * n)
 
     def on_validation_epoch_end(self) -> None:
-        if not self._val:
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        sharded = dm is not None and getattr(dm, "val_sharded", lambda: False)()
+        if not self._val and not sharded:
             return
         steps = self.hparams.train["ttt_steps"]
         sums = torch.stack([torch.stack([torch.stack(self._val[f"{key}_{k}"]).sum()
+                                         if self._val else torch.zeros((), device=self.device)
                                          for k in range(steps)])
                             for key in ("hits", "n", "loss")])
-        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        if dm is not None and getattr(dm, "val_sharded", lambda: False)():
-            sums = self._sum_over_ranks(sums)  # each rank saw its share of the held-out set
+        if sharded:  # each rank saw its share of the held-out set; every rank reduces
+            sums = self._sum_over_ranks(sums)
         hits, n, loss = sums[0], sums[1].clamp(min=1), sums[2]
         accs, logs = [], {}
         for k in range(steps):
@@ -114,6 +116,16 @@ class DraftModule(L.LightningModule):
         logs["val/accept_len"] = expected_accept_length(accs)
         self.log_dict(logs, prog_bar=False)
         self.log("val_acc_0", accs[0], prog_bar=True, logger=False)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        """The gradient norm the optimizer steps with (all ranks' gradients averaged,
+        before clipping): `train/grad_norm`."""
+        from lightning.pytorch.utilities import grad_norm
+
+        norms = grad_norm(self.draft, norm_type=2)
+        if norms:
+            self.log("train/grad_norm", norms["grad_2.0_norm_total"], on_step=True,
+                     on_epoch=False)
 
     def _global_batch(self) -> int:
         t = self.trainer

@@ -172,3 +172,13 @@ def test_collate_of_equal_lengths_only_stacks():
     for key in ("input_ids", "loss_mask", "aux_hidden", "last_hidden"):
         assert torch.equal(out[key], torch.stack([s[key] for s in samples]))
     assert out["lengths"].tolist() == [3, 3]
+
+
+def test_a_global_batch_larger_than_the_data_is_refused_on_several_processes():
+    from eagle3x.data.conversations import DataError
+
+    assert len(sampler(n=6, bs=8).batch(0)) == 6  # one process: all of it
+    with pytest.raises(DataError, match="global batch .* = 8 samples.* 6 training samples"):
+        StepBatchSampler(6, 4, 0, start=lambda: 0, rank=0, world=2)
+    with pytest.raises(DataError):
+        StepBatchSampler(6, 4, 0, start=lambda: 0, accumulate=2)
