@@ -170,3 +170,10 @@ def test_a_sweep_whose_jobs_train_on_two_processes_keeps_each_rank_in_its_job(ru
     for j in jobs:
         assert "rank 1 of 2 trained 2 steps" in (j / "rank1.log").read_text()
         assert (j / "draft" / "model.safetensors").exists()
+
+
+def test_the_long_sequence_paths_train_what_the_short_ones_train(runs, one):
+    """Blocks of 16 positions and loss chunks of 64, through a real Trainer (packed
+    batches, recompute in backward): the draft the default settings train."""
+    run = runs.train("blocked", *ONE, "train.attention_block=16", "train.loss_chunk=64")
+    assert_close_states(state(one), state(run))
