@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import List, Optional, Tuple
 
 import torch
+from torch.utils.checkpoint import checkpoint
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -140,8 +141,6 @@ def ttt_attention(q: torch.Tensor, cache: List[Tuple[torch.Tensor, torch.Tensor]
     same = [kj for kj, _ in later] + [vj for _, vj in later]
     if t <= block:
         return _attend(q, k0, v0, 0, scale, docs, docs, *same)
-    from torch.utils.checkpoint import checkpoint
-
     outs = []
     for a in range(0, t, block):
         e = min(a + block, t)
@@ -182,8 +181,6 @@ class MidLayer(nn.Module):
         if h.shape[1] > self.self_attn.block and torch.is_grad_enabled():
             # long sequences: the MLP (4 x intermediate per position) is recomputed in
             # backward rather than kept, the largest per-position term of a step
-            from torch.utils.checkpoint import checkpoint
-
             return checkpoint(self._mlp, h, use_reentrant=False) + h
         return self._mlp(h) + h
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from eagle3x.draft.model import Eagle3Draft
 
@@ -90,8 +91,6 @@ def ttt_step_metrics(draft: Eagle3Draft, batch: Dict[str, torch.Tensor], head: t
         for a in range(0, max(len(rows), 1), chunk):
             args = (draft, teacher_head, h[a:a + chunk], teacher[a:a + chunk])
             if len(rows) > chunk and torch.is_grad_enabled():
-                from torch.utils.checkpoint import checkpoint
-
                 ce_c, pred = checkpoint(_soft_ce, *args, use_reentrant=False)
             else:
                 ce_c, pred = _soft_ce(*args)
