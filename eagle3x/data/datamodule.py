@@ -132,7 +132,7 @@ class StepBatchSampler:
         epoch, j = divmod(step, self.per_epoch)
         perm = np.random.default_rng([self.seed, epoch]).permutation(self.n)
         first = j * self.global_batch + (i * self.world + self.rank) * self.bs
-        return perm[np.arange(first, first + self.bs) % self.n].tolist()
+        return perm[first:first + self.bs].tolist()  # G <= n: within this epoch
 
     def __iter__(self) -> Iterator[List[int]]:
         m = self.start()

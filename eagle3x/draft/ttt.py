@@ -68,7 +68,8 @@ def ttt_step_metrics(draft: Eagle3Draft, batch: Dict[str, torch.Tensor], head: t
     `chunk` rows at a time, each recomputed in backward rather than kept, so no
     [positions, vocab] buffer lives across steps (memory linear in T, small in vocab).
     """
-    b, t = batch["input_ids"].shape
+    ids = batch["input_ids"]
+    b, t = ids.shape
     targets_of_draft = torch.arange(draft.shape.draft_vocab_size, device=head.device) + draft.d2t
     last = batch["last_hidden"]
     # A batch of at most `chunk` positions: the verifier's log-probs over the draft vocab
@@ -76,7 +77,6 @@ def ttt_step_metrics(draft: Eagle3Draft, batch: Dict[str, torch.Tensor], head: t
     whole = b * t <= chunk
     tgt = verifier_targets(last, head, targets_of_draft, greedy_only=not whole)
     teacher_head = None if whole else head[targets_of_draft]  # [Vd, Ht]
-    ids = batch["input_ids"]
     tokens = torch.cat([shift(ids, 1), ids.new_zeros(ids.shape[0], steps)], dim=1)
     hidden = draft.unroll_hidden(batch["aux_hidden"].to(draft.fc.weight.dtype), tokens, steps,
                                  batch.get("positions"), batch.get("docs"))
@@ -95,7 +95,8 @@ def ttt_step_metrics(draft: Eagle3Draft, batch: Dict[str, torch.Tensor], head: t
             else:
                 ce_c, pred = _soft_ce(*args)
             ce = ce + ce_c
-            hits = hits + (pred == tgt["greedy"][rows[a:a + chunk], cols[a:a + chunk] + 1 + k]).sum()
+            greedy = tgt["greedy"][rows[a:a + chunk], cols[a:a + chunk] + 1 + k]
+            hits = hits + (pred == greedy).sum()
         n = torch.tensor(len(rows), device=hk.device)
         loss_k = ce / n.clamp(min=1)
         total = total + (step_weight ** k) * loss_k
