@@ -144,8 +144,8 @@ class DraftModule(L.LightningModule):
             from eagle3x.artifacts import ArtifactError
 
             raise ArtifactError(
-                f"{self._ckpt_path()}: the checkpoint was trained with a global batch of {saved} samples per step; "
-                f"this run's is {self._global_batch()} (train.batch_size="
+                f"{self._ckpt_path()}: the checkpoint was trained with a global batch of "
+                f"{saved} samples per step; this run's is {self._global_batch()} (train.batch_size="
                 f"{self.hparams.train['batch_size']} x {t.world_size} processes x "
                 f"trainer.accumulate_grad_batches={t.accumulate_grad_batches}). Resuming "
                 f"continues the same sample stream only with the same global batch: set "
