@@ -86,3 +86,35 @@ def fit_scope() -> Iterator[None]:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+
+
+#: Where a data-parallel extraction worker finds its index when extract.worker is null,
+#: in order: SLURM's task rank (srun), then torchrun's global rank.
+WORKER_ENV = ("SLURM_PROCID", "RANK")
+
+
+def extract_worker(workers: int, worker: Optional[int],
+                   environ: Optional[dict] = None) -> "tuple[int, str]":
+    """(this worker's index, where it came from) for `extract.workers` / `extract.worker`.
+
+    ValueError when it cannot be known or is out of range (preflight reports it)."""
+    env = os.environ if environ is None else environ
+    if workers <= 1:
+        return 0, "single worker"
+    if worker is not None:
+        source = "extract.worker"
+    else:
+        name = next((n for n in WORKER_ENV if env.get(n, "").strip()), None)
+        if name is None:
+            raise ValueError(f"extract.workers={workers} needs this worker's index: set "
+                             f"extract.worker (0..{workers - 1}), or run under srun / torchrun "
+                             f"({' / '.join(WORKER_ENV)} set)")
+        try:
+            worker = int(env[name])
+        except ValueError:
+            raise ValueError(f"environment variable {name}={env[name]!r} is not a worker index")
+        source = f"environment variable {name}"
+    if not 0 <= worker < workers:
+        raise ValueError(f"worker {worker} (from {source}) is not in 0..{workers - 1} "
+                         f"(extract.workers={workers})")
+    return worker, source

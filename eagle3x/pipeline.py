@@ -75,7 +75,8 @@ STAGES: Tuple[StageSpec, ...] = (
                   s.engine.name is EngineName.vllm and preflight.extraction_pending(p)) else [],
               checks=(preflight.gpus, preflight.devices, preflight.context_length,
                       preflight.prepared_exists, preflight.hidden_writable,
-                      preflight.foreign_shards, preflight.disk, preflight.engine_memory)),
+                      preflight.foreign_shards, preflight.extract_workers, preflight.disk,
+                      preflight.engine_memory)),
     StageSpec("vocab", vocab.run, checks=(preflight.vocab_inputs,)),
     StageSpec("train", train.run, sections=("train", "trainer", "logger", "extract"),
               before=("regenerate", "prepare", "extract", "vocab"), precheck=lambda p, s: [

@@ -12,8 +12,9 @@ Fingerprints key the shared artifact store (``<paths.artifacts>/<kind>/<fingerpr
     regenerated  data content, format, verifier, regenerate.* settings, chat_template_kwargs
     prepared  data content (or the regenerated artifact's fingerprint), verifier (config +
               tokenizer), format, seed, max_seq_len, chat_template_kwargs when set
-    hidden    prepared data, verifier, aux layer ids, stored dtype   (not the sample count:
-              extraction grows a prefix of the prepared order)
+    hidden    prepared data, verifier, aux layer ids, stored dtype, storage format when
+              not the default (not the sample count: extraction grows a prefix of the
+              prepared order)
     vocab     prepared data, holdout_samples, num_samples, draft_vocab_size
 
 An explicit folder (``prepare.output_dir``, ``extract.prepared_data``, ``extract.output_dir``,
@@ -33,6 +34,18 @@ from eagle3x.verifier import VerifierInfo
 
 #: The regenerated conversations inside their artifact folder (messages jsonl).
 REGENERATED = "conversations.jsonl"
+
+
+#: How hidden states are stored unless extract.aux_format / extract.teacher say otherwise.
+DEFAULT_FORMAT = {"aux": "native", "teacher": "hidden"}
+
+
+def storage_format(extract: Any) -> Dict[str, Any]:
+    """The hidden-state storage format of these extract settings (data/compact.py)."""
+    fmt: Dict[str, Any] = {"aux": extract.aux_format.value, "teacher": extract.teacher.value}
+    if fmt["teacher"] == "topk":
+        fmt["topk"] = extract.topk
+    return fmt
 
 
 class PlanError(artifacts.ArtifactError):
@@ -184,6 +197,8 @@ class RunPlan:
     hidden: ArtifactRef
     vocab: ArtifactRef
     hidden_dtype: str
+    #: storage_format(extract): aux "native" | "fp8" | "int8", teacher "hidden" | "topk"
+    hidden_format: Dict[str, Any]
     draft_vocab_size: int
     split: Split
     resume: Resume
@@ -214,7 +229,8 @@ class RunPlan:
                       "num_samples": self.split.num_samples,
                       "min_samples": self.split.min_samples},
             "prepared": ref(self.prepared), "hidden": {**ref(self.hidden),
-                                                        "dtype": self.hidden_dtype},
+                                                        "dtype": self.hidden_dtype,
+                                                        "format": self.hidden_format},
             "vocab": {**ref(self.vocab), "draft_vocab_size": self.draft_vocab_size},
             "resume": self.resume.mode if self.resume.path is None else str(self.resume.path),
             "run_dir": str(self.run_dir),
@@ -290,8 +306,10 @@ def resolve(cfg: Eagle3xConfig, run_dir: Optional[Path] = None,
     prepared_id = made["fingerprint"] if made else prepared_fp
     hidden_fp = vocab_fp = None
     if prepared_id is not None:
+        fmt = storage_format(cfg.extract)
         hidden_fp = artifacts.digest({"prepared": prepared_id, "verifier": vref.fingerprint,
-                                      "aux_layer_ids": list(aux), "dtype": cfg.extract.dtype.value})
+                                      "aux_layer_ids": list(aux), "dtype": cfg.extract.dtype.value,
+                                      **({"format": fmt} if fmt != DEFAULT_FORMAT else {})})
         vocab_fp = artifacts.digest({"prepared": prepared_id, "num_samples": cfg.data.num_samples,
                                      "holdout_samples": cfg.data.holdout_samples,
                                      "draft_vocab_size": cfg.vocab.draft_vocab_size})
@@ -306,6 +324,7 @@ def resolve(cfg: Eagle3xConfig, run_dir: Optional[Path] = None,
         stage=cfg.stage, verifier=vref, aux_layer_ids=aux, source=source, original=original,
         regenerated=regenerated, prepared=prepared,
         hidden=hidden, vocab=vocab, hidden_dtype=cfg.extract.dtype.value,
+        hidden_format=storage_format(cfg.extract),
         draft_vocab_size=cfg.vocab.draft_vocab_size,
         split=Split(cfg.data.holdout_samples, cfg.data.num_samples, cfg.extract.min_samples),
         resume=Resume.parse(cfg.train.resume), run_dir=out, config=config_record(cfg))

@@ -423,7 +423,7 @@ def foreign_shards(w: World) -> List[Problem]:
     if have == w.plan.hidden.fingerprint:
         return []
     return [Problem("extract.output_dir", f"{out} holds hidden states of another verifier, aux "
-                    "layers, dtype or prepared data; eagle3x will not mix them.", value=str(out),
+                    "layers, dtype, storage format or prepared data; eagle3x will not mix them.", value=str(out),
                     hint="choose another extract.output_dir, or run with the settings that made it")]
 
 
@@ -500,10 +500,84 @@ def estimate_tokens(cfg: Eagle3xConfig, plan: RunPlan) -> Tuple[int, str]:
     return int(per * total), "estimated from the conversations"
 
 
+def extract_workers(w: World) -> List[Problem]:
+    """extract: a data-parallel worker knows its index, runs as stage=extract, and joins
+    the round under way in its folder (same worker count and samples)."""
+    cfg = w.cfg
+    if cfg.extract.workers <= 1:
+        return []
+    from eagle3x.distributed import extract_worker
+
+    problems = []
+    try:
+        extract_worker(cfg.extract.workers, cfg.extract.worker)
+    except ValueError as exc:
+        problems.append(Problem("extract.worker", str(exc) + ".",
+                                value=str(cfg.extract.worker)))
+    if cfg.stage.value != "extract":
+        problems.append(Problem(
+            "extract.workers", f"extraction by several workers runs as stage=extract, not "
+            f"stage={cfg.stage.value}: each worker stops once its range is written, before the "
+            "folder is whole.", value=str(cfg.extract.workers),
+            hint=f"run the workers with stage=extract, then {command_for(cfg.stage.value, [])} "
+                 "with extract.workers=1 (it waits for, or finishes, any part still missing)"))
+    if w.plan is not None and (w.plan.hidden.folder / "round.json").exists():
+        import json
+
+        try:
+            r = json.loads((w.plan.hidden.folder / "round.json").read_text())
+            n = _prepared_count(w.plan)
+            target = w.plan.split.extract_until(n) if n is not None else None
+        except (OSError, ValueError, KeyError):
+            return problems
+        if r.get("workers") != cfg.extract.workers or (target is not None and
+                                                       r.get("target") != target):
+            problems.append(Problem(
+                "extract.workers", f"{w.plan.hidden.folder / 'round.json'}: a round of "
+                f"{r.get('workers')} workers extracting samples {r.get('base')}.."
+                f"{r.get('target', 0) - 1} is under way in this folder; this command has "
+                f"extract.workers={cfg.extract.workers}"
+                + (f" and needs samples up to {target - 1}" if target is not None else "") + ".",
+                value=str(cfg.extract.workers),
+                hint=f"run the round's missing workers with extract.workers={r.get('workers')} and "
+                     "the same data.num_samples, or let extract.workers=1 finish the round"))
+    return problems
+
+
+def _prepared_count(plan: RunPlan) -> Optional[int]:
+    """Samples in the plan's prepared data, from its manifest (None when not built yet)."""
+    m = artifacts.complete_manifest(plan.prepared.folder)
+    return (m or {}).get("stats", {}).get("samples")
+
+
 def disk(w: World) -> List[Problem]:
-    """extract: free disk for the hidden states still to be written."""
+    """extract: free disk for the hidden states still to be written (in the chosen format)."""
     if w.plan is None or not w.aux_ok:
         return []
+    from eagle3x.data.compact import bytes_per_token
+
+    cfg, out = w.cfg, w.plan.hidden.folder
+    tokens, how = estimate_tokens(cfg, w.plan)
+    h, fmt = w.plan.verifier.info.hidden_size, w.plan.hidden_format
+    per_token = bytes_per_token(h, DTYPE_BYTES[cfg.extract.dtype.value], fmt)
+    need = tokens * per_token
+    have_m = artifacts.complete_manifest(out) if out.exists() else None
+    if have_m:
+        need = max(0, need - sum(s["bytes"] for s in have_m.get("shards", [])))
+    free = free_bytes(out)
+    if need > free:
+        what = (f"aux {fmt['aux']}, teacher {fmt['teacher']}"
+                + (f" top-{fmt['topk']}" if fmt["teacher"] == "topk" else ""))
+        return [Problem("extract.output_dir",
+                        f"not enough disk: hidden states need about {human_bytes(need)} "
+                        f"({tokens} tokens x {per_token} bytes per token: hidden size {h}, "
+                        f"extract.dtype={cfg.extract.dtype.value}, {what}; {how}), "
+                        f"{human_bytes(free)} free at {_existing_ancestor(out)}.",
+                        value=str(out),
+                        hint="free space, pick another extract.output_dir / paths.artifacts, "
+                             "fewer data.num_samples, extract.dtype=bfloat16, or compact "
+                             "storage: extract.aux_format=fp8 extract.teacher=topk")]
+    return []
     cfg, out = w.cfg, w.plan.hidden.folder
     tokens, how = estimate_tokens(cfg, w.plan)
     per_token = 4 * w.plan.verifier.info.hidden_size * DTYPE_BYTES[cfg.extract.dtype.value]

@@ -66,6 +66,21 @@ class HiddenDType(Enum):
     float32 = "float32"
 
 
+class AuxFormat(Enum):
+    """How the three aux layers are stored (data/compact.py has the layouts)."""
+
+    native = "native"  # in extract.dtype
+    fp8 = "fp8"  # float8 e4m3, one float32 scale per token and layer
+    int8 = "int8"  # int8, one float32 scale per token and layer
+
+
+class TeacherFormat(Enum):
+    """What a shard keeps of the verifier's next-token distribution."""
+
+    hidden = "hidden"  # its last hidden state; training applies the verifier's lm_head
+    topk = "topk"  # its K most likely tokens over the full vocabulary, with log-probs
+
+
 class VerifyMode(Enum):
     """How shards are checked when they are opened: by size (fast) or full sha256."""
 
@@ -199,7 +214,21 @@ class ExtractConfig:
     # Tokens per shard before a new shard starts (whole samples only).
     shard_tokens: int = at_least(1, 262144)
     dtype: HiddenDType = HiddenDType.bfloat16
+    # Compact storage (bench/storage.py measures bytes and accepted length of each):
+    # the aux states as fp8 / int8 with a scale per token and layer, and the teacher as
+    # its top-k log-probabilities instead of the last hidden state.
+    aux_format: AuxFormat = AuxFormat.native
+    teacher: TeacherFormat = TeacherFormat.hidden
+    topk: int = at_least(1, 64)
     verify: VerifyMode = VerifyMode.size
+    # Data-parallel extraction: `workers` independent processes (each its own engine)
+    # extract disjoint contiguous sample ranges into one folder; this one is `worker`
+    # (0-based; default: SLURM_PROCID, else RANK, when `workers` > 1). The last to finish
+    # joins the parts into one manifest. Run as stage=extract, e.g. a Hydra joblib /
+    # submitit sweep over extract.worker.
+    workers: int = at_least(1, 1)
+    worker: Optional[int] = checked(None, lambda v: v is None or v >= 0,
+                                    "must be a worker index >= 0 (or null: from SLURM_PROCID / RANK)")
 
 
 @dataclass

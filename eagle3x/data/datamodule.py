@@ -36,8 +36,8 @@ class HiddenStateDataset(Dataset):
 
     def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
         s = self.reader[self.indices[i]]
-        return {"input_ids": s.input_ids.long(), "loss_mask": s.loss_mask,
-                "aux_hidden": s.aux_hidden, "last_hidden": s.last_hidden}
+        s["input_ids"] = s["input_ids"].long()
+        return s  # aux_hidden and the teacher: last_hidden, or topk_ids + topk_logp
 
 
 def collate(samples: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
@@ -45,7 +45,7 @@ def collate(samples: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
     lengths = torch.tensor([len(s["input_ids"]) for s in samples])
     t = int(lengths.max())
     out: Dict[str, torch.Tensor] = {"lengths": lengths}
-    for key in ("input_ids", "loss_mask", "aux_hidden", "last_hidden"):
+    for key in samples[0]:
         first = samples[0][key]
         buf = first.new_zeros((len(samples), t, *first.shape[1:]))
         for i, s in enumerate(samples):
@@ -76,7 +76,7 @@ def collate_packed(samples: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Te
             fill.append(lengths[i])
     b = len(rows)
     out: Dict[str, torch.Tensor] = {"lengths": torch.tensor(fill)}
-    for key in ("input_ids", "loss_mask", "aux_hidden", "last_hidden"):
+    for key in samples[0]:
         first = samples[0][key]
         out[key] = first.new_zeros((b, cap, *first.shape[1:]))
     docs = torch.full((b, cap), -1, dtype=torch.long)
@@ -86,7 +86,7 @@ def collate_packed(samples: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Te
         at = 0
         for d, i in enumerate(members):
             n = lengths[i]
-            for key in ("input_ids", "loss_mask", "aux_hidden", "last_hidden"):
+            for key in samples[i]:
                 out[key][r, at:at + n] = samples[i][key]
             docs[r, at:at + n] = d
             positions[r, at:at + n] = torch.arange(n)

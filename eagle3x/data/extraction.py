@@ -10,6 +10,7 @@ then stop. The engine is opened only when there is something to extract.
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import time
@@ -32,6 +33,7 @@ def header(plan: RunPlan) -> Dict[str, Any]:
     return {"verifier": {"path": str(plan.verifier.path), "fingerprint": plan.verifier.fingerprint},
             "aux_layer_ids": list(plan.aux_layer_ids), "hidden_size": plan.verifier.info.hidden_size,
             "num_layers": plan.verifier.info.num_layers, "dtype": plan.hidden_dtype,
+            "format": plan.hidden_format,
             "prepared": {"path": str(plan.prepared.folder),
                          "fingerprint": artifacts.read_manifest(plan.prepared.folder)["fingerprint"]}}
 
@@ -54,7 +56,8 @@ def _stop_requests() -> Iterator[Dict[str, Optional[int]]]:
 
 
 @contextmanager
-def _exclusive(folder: Path) -> Iterator[None]:
+def _exclusive(folder: Path, holder: str) -> Iterator[None]:
+    """`folder`'s lock (a file beside it); waits, saying so, while `holder` has it."""
     from filelock import FileLock, Timeout
 
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -62,7 +65,7 @@ def _exclusive(folder: Path) -> Iterator[None]:
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        log.warning("another eagle3x process is extracting into %s; waiting for it", folder)
+        log.warning("%s (%s); waiting for it", holder, folder)
         lock.acquire()
     try:
         yield
@@ -96,18 +99,22 @@ def open_manifest(plan: RunPlan) -> Dict[str, Any]:
 
 
 class _Writer:
-    """Collects extracted samples and writes whole shards of about `shard_tokens`."""
+    """Collects extracted samples and writes whole shards of about `shard_tokens`, each
+    sample encoded in the folder's storage format (``compact.encode``)."""
 
     def __init__(self, folder: Path, fingerprint: str, manifest: Dict[str, Any], dtype: Any,
-                 shard_tokens: int):
+                 shard_tokens: int, fmt: Dict[str, Any], head: Any = None):
         self.folder, self.fingerprint, self.m, self.dtype = folder, fingerprint, manifest, dtype
-        self.shard_tokens = shard_tokens
+        self.shard_tokens, self.fmt, self.head = shard_tokens, fmt, head
+        self.base = manifest.get("first_sample", 0)  # a part's first sample
         self.buf: List[tuple] = []
         self.tokens = 0
 
     def hold(self, ids: Any, mask: Any, aux: Any, last: Any) -> None:
         """Buffer one sample; it is written by the next flush."""
-        self.buf.append((ids, mask, aux.to(self.dtype), last.to(self.dtype)))
+        from eagle3x.data.compact import encode
+
+        self.buf.append((ids, mask, encode(aux, last, self.fmt, self.dtype, self.head)))
         self.tokens += len(ids)
 
     def add(self, ids: Any, mask: Any, aux: Any, last: Any) -> None:
@@ -125,13 +132,13 @@ class _Writer:
         tensors = {
             "input_ids": torch.cat([torch.as_tensor(b[0], dtype=torch.int32) for b in self.buf]),
             "loss_mask": torch.cat([torch.as_tensor(b[1], dtype=torch.uint8) for b in self.buf]),
-            "aux_hidden": torch.cat([b[2] for b in self.buf]),
-            "last_hidden": torch.cat([b[3] for b in self.buf]),
             "offsets": torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0),
         }
+        for key in self.buf[0][2]:
+            tensors[key] = torch.cat([b[2][key] for b in self.buf])
         replacing = index is not None
         index = len(self.m["shards"]) if index is None else index
-        first = self.m["samples"] if first is None else first
+        first = self.base + self.m["samples"] if first is None else first
         entry = shards.write_shard(self.folder, index, tensors, first, self.fingerprint)
         if replacing:
             self.m["shards"][index] = entry
@@ -158,82 +165,309 @@ def _extracted(engine: Any, samples: List[tuple], batch_size: int) -> Iterator[L
         yield [(ids, mask, aux, last) for (_, ids, mask), (aux, last) in zip(batch, outs)]
 
 
-def extract(plan: RunPlan, settings: ExtractConfig, engine_name: str,
-            open_engine: Callable[[], Any]) -> Outcome:
-    """Make sure ``plan.hidden.folder`` holds the hidden states of every sample the plan
-    needs, extracting the missing ones with the engine `open_engine()` returns (opened only
-    when there is work; `engine_name` is what the log and the manifest call it)."""
+class _Engine:
+    """The engine, opened at the first call of `get()` (only when there is work)."""
+
+    def __init__(self, open_engine: Callable[[], Any], name: str):
+        self.open, self.name, self.engine, self.load_s = open_engine, name, None, 0.0
+
+    def get(self) -> Any:
+        if self.engine is None:
+            t0 = time.perf_counter()
+            self.engine = self.open()
+            self.load_s = time.perf_counter() - t0
+            log.info("engine %s ready in %.1fs", self.name, self.load_s)
+        return self.engine
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+def _bad_shards(folder: Path, m: Dict[str, Any], verify: VerifyMode) -> List[int]:
+    return [i for i, e in enumerate(m["shards"])
+            if artifacts.check_entry(folder, e, full=verify is VerifyMode.sha256)]
+
+
+def _fill(folder: Path, m: Dict[str, Any], end: int, bad: List[int], data: Dict[str, Any],
+          engine: _Engine, writer: "_Writer", settings: ExtractConfig, desc: str) -> int:
+    """Re-extract the shards `bad` of the folder with manifest `m`, then extract its
+    samples up to `end` (absolute index); return the new tokens. SIGINT/SIGTERM: a last
+    whole shard is written, then SystemExit."""
     from tqdm import tqdm
 
+    base = m.get("first_sample", 0)
+    for i in bad:
+        e = m["shards"][i]
+        log.warning("re-extracting %s (failed its check) in %s", e["name"], folder)
+        todo = list(_samples(data, e["first_sample"], e["first_sample"] + e["num_samples"]))
+        for done in _extracted(engine.get(), todo, settings.batch_size):
+            for sample in done:
+                writer.hold(*sample)
+        writer.flush(index=i, first=e["first_sample"])
+    if base + m["samples"] >= end:
+        return 0
+    pending = list(_samples(data, base + m["samples"], end))
+    eng = engine.get()
+    t0, new_tokens = time.perf_counter(), 0
+    bar = tqdm(total=end - base, initial=m["samples"], desc=desc, unit="sample",
+               dynamic_ncols=True, file=console.stream(),
+               mininterval=0.5 if console.is_terminal() else 10)
+    with _stop_requests() as stop:
+        for done in _extracted(eng, pending, settings.batch_size):
+            for sample in done:
+                writer.add(*sample)
+                new_tokens += len(sample[0])
+            bar.update(len(done))
+            bar.set_postfix(tok_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
+            if stop["signal"] is not None:
+                writer.flush()
+                bar.close()
+                log.warning("stopped by signal after %d samples; rerun to continue",
+                            base + m["samples"])
+                raise SystemExit(128 + stop["signal"])
+        writer.flush()
+    bar.close()
+    return new_tokens
+
+
+# Data-parallel extraction. A round of `workers` workers extracts the samples
+# [base, target) the folder lacks: ROUND (written once, by the first worker to start)
+# fixes the ranges, worker i extracts range i into parts/<first>-<end>/ (a folder with its
+# own manifest, resumable like the top one, under its own lock); whoever sees every part
+# whole, under the folder's lock, appends the parts' shards to the top manifest in sample
+# order and removes ROUND. Readers read only the top manifest, so they never see a part.
+# A single process (extract.workers=1, e.g. stage=train) meeting a pending round finishes
+# it first: it waits for each part a live worker holds and extracts any part nobody is
+# running, so nothing is extracted twice and nothing partial is read.
+PARTS = "parts"
+ROUND = "round.json"
+
+
+def part_ranges(base: int, target: int, workers: int) -> List[List[int]]:
+    """`workers` contiguous ranges covering [base, target), sizes differing by at most one."""
+    n = target - base
+    return [[base + n * i // workers, base + n * (i + 1) // workers] for i in range(workers)]
+
+
+def part_folder(out: Path, first: int, end: int) -> Path:
+    return out / PARTS / f"{first:010d}-{end:010d}"
+
+
+def pending_round(out: Path, m: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """The round of workers still extracting into `out` (manifest `m`), if any."""
+    path = out / ROUND
+    if not path.exists():
+        return None
+    r = json.loads(path.read_text())
+    if m["samples"] >= r["target"] and m["samples"] != r["base"]:
+        path.unlink(missing_ok=True)  # joined, then cut off before its removal
+        return None
+    if m["samples"] != r["base"]:
+        raise artifacts.ArtifactError(
+            f"{path}: a round of {r['workers']} workers extracting samples {r['base']}.."
+            f"{r['target'] - 1}, but {out / artifacts.MANIFEST} holds {m['samples']} samples; "
+            f"remove {path} and {out / PARTS} to start the round again")
+    return r
+
+
+def _open_part(plan: RunPlan, first: int, end: int) -> tuple:
+    folder = part_folder(plan.hidden.folder, first, end)
+    folder.mkdir(parents=True, exist_ok=True)
+    if (folder / artifacts.MANIFEST).exists():
+        m = artifacts.read_manifest(folder)
+        if m.get("fingerprint") != plan.hidden.fingerprint:
+            raise artifacts.ArtifactError(f"{folder / artifacts.MANIFEST}: a part of other "
+                                          "hidden states; remove it")
+    else:
+        m = artifacts.new_manifest("hidden-part", plan.config, plan.hidden.fingerprint,
+                                   shards=[], samples=0, first_sample=first, end=end)
+        m["complete"] = True
+        artifacts.write_json_atomic(folder / artifacts.MANIFEST, m)
+    adopted = shards.adopt_orphans(folder, m)
+    if adopted:
+        log.info("adopting %d shard(s) of %s written before an interruption", len(adopted), folder)
+        m["shards"] += adopted
+        m["samples"] += sum(a["num_samples"] for a in adopted)
+        artifacts.write_json_atomic(folder / artifacts.MANIFEST, m)
+    return folder, m
+
+
+def _join(out: Path, m: Dict[str, Any], r: Dict[str, Any]) -> bool:
+    """Under the folder's lock: append every part of round `r` to the manifest `m` when
+    all are whole; False while some part is missing samples."""
+    entries, runs = [], []
+    for first, end in r["parts"]:
+        if end == first:
+            continue
+        folder = part_folder(out, first, end)
+        pm = (artifacts.read_manifest(folder)
+              if (folder / artifacts.MANIFEST).exists() else None)
+        if pm is None or pm["samples"] < end - first:
+            return False
+        rel = folder.relative_to(out).as_posix()
+        entries += [{**e, "name": f"{rel}/{e['name']}"} for e in pm["shards"]]
+        runs += [{**run, "part": rel} for run in pm.get("runs", [])]
+    m["shards"] += entries
+    m["samples"] = r["target"]
+    m.setdefault("runs", []).extend(runs)
+    artifacts.write_json_atomic(out / artifacts.MANIFEST, m)
+    (out / ROUND).unlink(missing_ok=True)
+    log.info("joined %d parts of %d workers: %s holds %d samples in %d shards",
+             len([p for p in r["parts"] if p[1] > p[0]]), r["workers"], out, m["samples"],
+             len(m["shards"]))
+    return True
+
+
+def _extract_part(plan: RunPlan, settings: ExtractConfig, first: int, end: int,
+                  data: Dict[str, Any], engine: _Engine, head: Any, label: str) -> int:
+    """Extract samples [first, end) into their part folder, under the part's lock;
+    return the new tokens (0: it was whole already)."""
     from eagle3x.weights import torch_dtype
 
+    folder = part_folder(plan.hidden.folder, first, end)
+    with _exclusive(folder, f"{label} is extracting samples {first}..{end - 1}"):
+        folder, pm = _open_part(plan, first, end)
+        bad = _bad_shards(folder, pm, settings.verify)
+        if pm["samples"] >= end - first and not bad:
+            return 0
+        if pm["samples"] < end - first:
+            log.info("%s: extracting samples %d..%d with engine=%s into %s", label,
+                     first + pm["samples"], end - 1, engine.name, folder)
+        writer = _Writer(folder, plan.hidden.fingerprint, pm, torch_dtype(settings.dtype.value),
+                         settings.shard_tokens, plan.hidden_format, head)
+        t0, before, load0 = time.perf_counter(), pm["samples"], engine.load_s
+        tokens = _fill(folder, pm, end, bad, data, engine, writer, settings, label)
+        _record_run(folder, pm, engine, pm["samples"] - before, tokens,
+                    time.perf_counter() - t0 - (engine.load_s - load0))
+        return tokens
+
+
+def _record_run(folder: Path, m: Dict[str, Any], engine: _Engine, samples: int, tokens: int,
+                wall: float) -> None:
+    m.setdefault("runs", []).append({
+        "engine": engine.name, "samples": samples, "tokens": tokens, "seconds": round(wall, 3),
+        "engine_start_seconds": round(engine.load_s, 3),
+        "tokens_per_second": round(tokens / max(wall, 1e-9), 1),
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    artifacts.write_json_atomic(folder / artifacts.MANIFEST, m)
+
+
+def _teacher_head(plan: RunPlan) -> Any:
+    """The verifier's lm_head for a top-k teacher (on the GPU when there is one), else None."""
+    if plan.hidden_format["teacher"] != "topk":
+        return None
+    import torch
+
+    from eagle3x.weights import verifier_head
+
+    head = verifier_head(plan.verifier.path, plan.verifier.tied_head)
+    return head.to("cuda") if torch.cuda.is_available() else head.float()
+
+
+def extract(plan: RunPlan, settings: ExtractConfig, engine_name: str,
+            open_engine: Callable[[], Any], worker: int = 0) -> Outcome:
+    """Make sure ``plan.hidden.folder`` holds the hidden states of every sample the plan
+    needs, extracting the missing ones with the engine `open_engine()` returns (opened only
+    when there is work; `engine_name` is what the log and the manifest call it).
+
+    With ``settings.workers`` > 1 this process is worker `worker` of a data-parallel round
+    and extracts only its range; the artifact is whole once the last worker joins the parts.
+    """
     out = plan.hidden.folder
     data = prepared.load(plan.prepared.folder)
     target = plan.split.extract_until(data["n"])
-    dtype = torch_dtype(settings.dtype.value)
-    with _exclusive(out):
-        m = open_manifest(plan)
-        bad = [i for i, e in enumerate(m["shards"])
-               if artifacts.check_entry(out, e, full=settings.verify is VerifyMode.sha256)]
-        if m["samples"] >= target and not bad:
-            log.info("reusing hidden states at %s: %d samples in %d shards (%d asked for)",
-                     out, m["samples"], len(m["shards"]), target)
-            return Outcome("hidden", "reused", out)
-        t0 = time.perf_counter()
-        done_before, shards_before = m["samples"], len(m["shards"])
-        log.info("extracting samples %d..%d with engine=%s into %s", done_before, target - 1,
-                 engine_name, out)
-        engine = open_engine()
-        load_s = time.perf_counter() - t0
-        log.info("engine %s ready in %.1fs", engine_name, load_s)
-        t0 = time.perf_counter()
-        new_tokens = 0
-        try:
-            writer = _Writer(out, plan.hidden.fingerprint, m, dtype, settings.shard_tokens)
-            for i in bad:
-                e = m["shards"][i]
-                log.warning("re-extracting %s (failed its check)", e["name"])
-                todo = list(_samples(data, e["first_sample"], e["first_sample"] + e["num_samples"]))
-                for done in _extracted(engine, todo, settings.batch_size):
-                    for sample in done:
-                        writer.hold(*sample)
-                writer.flush(index=i, first=e["first_sample"])
-            bar = tqdm(total=target, initial=m["samples"], desc="extract", unit="sample",
-                       dynamic_ncols=True, file=console.stream(),
-                       mininterval=0.5 if console.is_terminal() else 10)
-            with _stop_requests() as stop:
-                pending = list(_samples(data, m["samples"], target))
-                for done in _extracted(engine, pending, settings.batch_size):
-                    for sample in done:
-                        writer.add(*sample)
-                        new_tokens += len(sample[0])
-                    bar.update(len(done))
-                    bar.set_postfix(tok_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
-                    if stop["signal"] is not None:
-                        writer.flush()
-                        bar.close()
-                        log.warning("stopped by signal after %d samples; rerun to continue",
-                                    m["samples"])
-                        raise SystemExit(128 + stop["signal"])
-                writer.flush()
-            bar.close()
-        finally:
-            engine.close()
-    wall = time.perf_counter() - t0
-    m.setdefault("runs", []).append({
-        "engine": engine_name, "samples": m["samples"] - done_before,
-        "tokens": new_tokens, "seconds": round(wall, 3), "engine_start_seconds": round(load_s, 3),
-        "tokens_per_second": round(new_tokens / max(wall, 1e-9), 1),
-        "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
-    artifacts.write_json_atomic(out / artifacts.MANIFEST, m)
+    if settings.workers > 1:
+        return _extract_as_worker(plan, settings, engine_name, open_engine, worker, data, target)
+    from eagle3x.weights import torch_dtype
+
+    engine = _Engine(open_engine, engine_name)
+    t_start = time.perf_counter()
+    new_tokens = 0
+    try:
+        with _exclusive(out, "another eagle3x process is extracting into this folder"):
+            m = open_manifest(plan)
+            r = pending_round(out, m)
+            bad = _bad_shards(out, m, settings.verify)
+            if m["samples"] >= target and not bad and r is None:
+                log.info("reusing hidden states at %s: %d samples in %d shards (%d asked for)",
+                         out, m["samples"], len(m["shards"]), target)
+                return Outcome("hidden", "reused", out)
+            done_before, shards_before = m["samples"], len(m["shards"])
+            head = _teacher_head(plan)
+            if r is not None:
+                log.info("%s: %d workers are extracting samples %d..%d; finishing their round "
+                         "(waiting for the parts a worker holds)", out, r["workers"],
+                         r["base"], r["target"] - 1)
+                for i, (first, end) in enumerate(r["parts"]):
+                    if end > first:
+                        new_tokens += _extract_part(plan, settings, first, end, data, engine,
+                                                    head, f"worker {i} (taken over)")
+                _join(out, m, r)
+                bad = _bad_shards(out, m, settings.verify)
+            if m["samples"] < target or bad:
+                if m["samples"] < target:
+                    log.info("extracting samples %d..%d with engine=%s into %s", m["samples"],
+                             target - 1, engine_name, out)
+                writer = _Writer(out, plan.hidden.fingerprint, m,
+                                 torch_dtype(settings.dtype.value), settings.shard_tokens,
+                                 plan.hidden_format, head)
+                t0, before, load0 = time.perf_counter(), m["samples"], engine.load_s
+                tokens = _fill(out, m, target, bad, data, engine, writer, settings, "extract")
+                new_tokens += tokens
+                _record_run(out, m, engine, m["samples"] - before, tokens,
+                            time.perf_counter() - t0 - (engine.load_s - load0))
+    finally:
+        engine.close()
+    wall = time.perf_counter() - t_start - engine.load_s
     total_tokens = sum(s["tokens"] for s in m["shards"])
     total_bytes = sum(s["bytes"] for s in m["shards"])
     log.info("extracted %d new samples (%d tokens, %.0f tok/s) in %.1fs (+%.1fs engine start); folder holds %d samples, "
              "%d tokens, %d shards (+%d), %.0f bytes/token -> %s", m["samples"] - done_before,
-             new_tokens, new_tokens / max(wall, 1e-9), wall, load_s, m["samples"], total_tokens,
-             len(m["shards"]), len(m["shards"]) - shards_before,
+             new_tokens, new_tokens / max(wall, 1e-9), wall, engine.load_s, m["samples"],
+             total_tokens, len(m["shards"]), len(m["shards"]) - shards_before,
              total_bytes / max(total_tokens, 1), out)
     return Outcome("hidden", "built", out)
+
+
+def _extract_as_worker(plan: RunPlan, settings: ExtractConfig, engine_name: str,
+                       open_engine: Callable[[], Any], worker: int, data: Dict[str, Any],
+                       target: int) -> Outcome:
+    out, n = plan.hidden.folder, settings.workers
+    with _exclusive(out, "another eagle3x process holds this folder"):
+        m = open_manifest(plan)
+        r = pending_round(out, m)
+        if r is None:
+            if m["samples"] >= target:
+                log.info("worker %d of %d: %s already holds %d samples (%d asked for)",
+                         worker, n, out, m["samples"], target)
+                return Outcome("hidden", "reused", out)
+            r = {"base": m["samples"], "target": target, "workers": n,
+                 "parts": part_ranges(m["samples"], target, n)}
+            artifacts.write_json_atomic(out / ROUND, r)
+        elif r["workers"] != n or r["target"] != target:
+            raise artifacts.ArtifactError(
+                f"{out / ROUND}: a round of {r['workers']} workers extracting samples "
+                f"{r['base']}..{r['target'] - 1} is under way; this worker has "
+                f"extract.workers={n} and wants samples up to {target - 1}. Run the round's "
+                f"missing workers with extract.workers={r['workers']} (and the same "
+                "data.num_samples), or let extract.workers=1 finish it.")
+    first, end = r["parts"][worker]
+    engine = _Engine(open_engine, engine_name)
+    try:
+        tokens = (_extract_part(plan, settings, first, end, data, engine, _teacher_head(plan),
+                                f"worker {worker} of {n}") if end > first else 0)
+    finally:
+        engine.close()
+    with _exclusive(out, "another eagle3x process holds this folder"):
+        m = open_manifest(plan)
+        r2 = pending_round(out, m)
+        joined = r2 is None or _join(out, m, r2)
+    log.info("worker %d of %d: samples %d..%d %s (%d new tokens); %s", worker, n, first,
+             end - 1, "extracted" if tokens else "were whole", tokens,
+             f"all parts joined: {out} holds {m['samples']} samples" if joined
+             else "waiting for the other workers' parts before the folder is whole")
+    return Outcome("hidden", "built" if tokens else "reused", out)
 
 
 @dataclass(frozen=True)

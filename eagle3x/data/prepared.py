@@ -26,6 +26,20 @@ def build(plan: RunPlan) -> Outcome:
     if artifacts.reuse(out, plan.prepared.fingerprint, "prepared data"):
         log.info("reusing prepared data at %s (same inputs and settings)", out)
         return Outcome("prepared", "reused", out)
+    from filelock import FileLock
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Several workers of a data-parallel extraction start together: one builds, the
+    # others wait here and reuse it (never replacing a folder another one is reading).
+    with FileLock(str(out.parent / f".{out.name}.prepare.lock")):
+        if artifacts.reuse(out, plan.prepared.fingerprint, "prepared data"):
+            log.info("reusing prepared data at %s (built meanwhile by another process)", out)
+            return Outcome("prepared", "reused", out)
+        return _build(plan)
+
+
+def _build(plan: RunPlan) -> Outcome:
+    out = plan.prepared.folder
     import numpy as np
     from safetensors.numpy import save_file
     from tqdm import tqdm

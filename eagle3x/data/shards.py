@@ -7,6 +7,11 @@ whole samples:
     aux_hidden  [T, 3H]          last_hidden [T, H]       (bf16 by default)
     offsets     int64 [n+1]      sample k is rows offsets[k]:offsets[k+1]
 
+(the default format; the manifest's "format" names others, whose per-token tensors
+``data/compact.py`` lists: fp8 / int8 aux with scales, a top-k teacher). A manifest entry's
+name may be a path inside the folder (``parts/...``: shards a worker of a data-parallel
+extraction wrote, ``data/extraction.py``).
+
 and its header metadata names its first sample, sample count and the folder's
 fingerprint. A shard is written to a temp name, fsynced and renamed; then the manifest
 is replaced atomically. A crash at any moment leaves only whole shards; a shard renamed
@@ -16,13 +21,13 @@ just before a crash, but not yet in the manifest, is adopted on the next run.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from eagle3x import artifacts
 
-KEYS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden", "offsets")
+#: The tensors every shard holds, whatever its format.
+COMMON = ("input_ids", "loss_mask", "offsets")
 
 
 def shard_name(index: int) -> str:
@@ -39,7 +44,7 @@ def write_shard(folder: Path, index: int, tensors: Dict[str, Any], first_sample:
     n = int(tensors["offsets"].numel() - 1)
     meta = {"first_sample": str(first_sample), "num_samples": str(n), "fingerprint": fingerprint}
     try:
-        save_file({k: tensors[k].contiguous() for k in KEYS}, str(tmp), metadata=meta)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, final)
@@ -78,7 +83,7 @@ def adopt_orphans(folder: Path, manifest: Dict[str, Any]) -> List[Dict[str, Any]
     known = {s["name"] for s in manifest["shards"]}
     adopted = []
     nxt = len(manifest["shards"])
-    first = manifest["samples"]
+    first = manifest.get("first_sample", 0) + manifest["samples"]  # a part starts later
     for p in sorted(folder.glob("shard-*.safetensors")):
         if p.name in known:
             continue
@@ -107,16 +112,12 @@ def _tokens_in(path: Path) -> int:
         return int(f.get_slice("input_ids").get_shape()[0])
 
 
-@dataclass
-class Sample:
-    input_ids: Any
-    loss_mask: Any
-    aux_hidden: Any
-    last_hidden: Any
-
-
 class ShardReader:
-    """Random access to the samples of a hidden-state folder, shards memory-mapped."""
+    """Random access to the samples of a hidden-state folder, shards memory-mapped.
+
+    ``reader[i]`` is sample i as training reads it: input_ids, loss_mask, aux_hidden and
+    the teacher (last_hidden, or topk_ids + topk_logp), decoded from the folder's format.
+    """
 
     def __init__(self, folder: str | Path, num_samples: Optional[int] = None,
                  verify: str = "size", repair_hint: str = ""):
@@ -124,6 +125,10 @@ class ShardReader:
 
         self.folder = Path(folder)
         self.manifest = artifacts.read_manifest(self.folder)
+        from eagle3x.data import compact
+
+        self.format = self.manifest.get("format") or {"aux": "native", "teacher": "hidden"}
+        self.keys = ("input_ids", "loss_mask") + compact.keys(self.format)
         self.index: List[tuple] = []
         self._files = []
         for entry in self.manifest["shards"]:
@@ -152,8 +157,9 @@ class ShardReader:
         _, a, b = self.index[i]
         return b - a
 
-    def __getitem__(self, i: int) -> Sample:
+    def __getitem__(self, i: int) -> Dict[str, Any]:
+        from eagle3x.data.compact import decode
+
         fi, a, b = self.index[i]
         f = self._files[fi]
-        return Sample(*(f.get_slice(k)[a:b] for k in ("input_ids", "loss_mask", "aux_hidden",
-                                                        "last_hidden")))
+        return decode({k: f.get_slice(k)[a:b] for k in self.keys})

@@ -6,7 +6,10 @@ Index convention (position t of a sample of length n):
   t+2+k < n and x[t+2+k] is a trained (assistant) token.
 Targets come from the stored last hidden states through the verifier's own lm_head,
 restricted to the draft vocabulary; accuracy compares the draft's top-1 (mapped to a
-target id) with the verifier's greedy token over its full vocabulary.
+target id) with the verifier's greedy token over its full vocabulary. A batch stored with
+a top-k teacher (``topk_ids``, ``topk_logp``: data/compact.py) trains on those k tokens'
+probabilities inside the draft vocabulary, renormalised, and its greedy token is
+topk_ids[..., 0].
 """
 
 from __future__ import annotations
@@ -71,12 +74,17 @@ def ttt_step_metrics(draft: Eagle3Draft, batch: Dict[str, torch.Tensor], head: t
     ids = batch["input_ids"]
     b, t = ids.shape
     targets_of_draft = torch.arange(draft.shape.draft_vocab_size, device=head.device) + draft.d2t
-    last = batch["last_hidden"]
-    # A batch of at most `chunk` positions: the verifier's log-probs over the draft vocab
-    # once for all positions and steps. Longer: recomputed per chunk from the stored states.
-    whole = b * t <= chunk
-    tgt = verifier_targets(last, head, targets_of_draft, greedy_only=not whole)
-    teacher_head = None if whole else head[targets_of_draft]  # [Vd, Ht]
+    topk = "topk_ids" in batch
+    if topk:  # the stored top-k teacher: nothing to compute from hidden states
+        whole, teacher_head, index = False, None, draft_index(draft)
+        tgt = {"greedy": batch["topk_ids"][..., 0].long()}
+    else:
+        last = batch["last_hidden"]
+        # A batch of at most `chunk` positions: the verifier's log-probs over the draft vocab
+        # once for all positions and steps. Longer: recomputed per chunk from the stored states.
+        whole, index = b * t <= chunk, None
+        tgt = verifier_targets(last, head, targets_of_draft, greedy_only=not whole)
+        teacher_head = None if whole else head[targets_of_draft]  # [Vd, Ht]
     tokens = torch.cat([shift(ids, 1), ids.new_zeros(ids.shape[0], steps)], dim=1)
     hidden = draft.unroll_hidden(batch["aux_hidden"].to(draft.fc.weight.dtype), tokens, steps,
                                  batch.get("positions"), batch.get("docs"))
@@ -86,10 +94,16 @@ def ttt_step_metrics(draft: Eagle3Draft, batch: Dict[str, torch.Tensor], head: t
         rows, cols = valid_mask(batch["loss_mask"], batch["lengths"], k,
                                 batch.get("doc_end")).nonzero(as_tuple=True)
         h = hk[rows, cols]
-        teacher = (tgt["logp"] if whole else last)[rows, cols + 1 + k]
+        if topk:
+            teacher = batch["topk_ids"][rows, cols + 1 + k]
+            teacher_logp = batch["topk_logp"][rows, cols + 1 + k]
+        else:
+            teacher = (tgt["logp"] if whole else last)[rows, cols + 1 + k]
+            teacher_logp = None
         ce, hits = hk.new_zeros((), dtype=torch.float32), 0
         for a in range(0, max(len(rows), 1), chunk):
-            args = (draft, teacher_head, h[a:a + chunk], teacher[a:a + chunk])
+            args = (draft, teacher_head, h[a:a + chunk], teacher[a:a + chunk],
+                    None if teacher_logp is None else teacher_logp[a:a + chunk], index)
             if len(rows) > chunk and torch.is_grad_enabled():
                 ce_c, pred = checkpoint(_soft_ce, *args, use_reentrant=False)
             else:
@@ -107,15 +121,40 @@ def ttt_step_metrics(draft: Eagle3Draft, batch: Dict[str, torch.Tensor], head: t
     return out
 
 
+def draft_index(draft: Eagle3Draft) -> torch.Tensor:
+    """[target vocab] -> the draft id of each verifier token, -1 outside the draft vocab."""
+    vd = draft.shape.draft_vocab_size
+    index = torch.full((draft.t2d.numel(),), -1, dtype=torch.long, device=draft.d2t.device)
+    index[torch.arange(vd, device=draft.d2t.device) + draft.d2t] = torch.arange(
+        vd, device=draft.d2t.device)
+    return index
+
+
+def topk_distribution(ids: torch.Tensor, logp: torch.Tensor, index: torch.Tensor,
+                      draft_vocab: int) -> torch.Tensor:
+    """[n, draft_vocab] probabilities from the verifier's top-k (`ids`, `logp` [n, k] over
+    its full vocabulary): the entries inside the draft vocabulary, renormalised (a row
+    with none is all zeros and adds no loss)."""
+    d = index[ids.long()]
+    keep = d >= 0
+    w = logp.float().exp() * keep
+    w = w / w.sum(-1, keepdim=True).clamp(min=1e-30)
+    return torch.zeros(ids.shape[0], draft_vocab, device=ids.device).scatter_add_(
+        1, d.clamp(min=0), w)
+
+
 def _soft_ce(draft: Eagle3Draft, teacher_head: Optional[torch.Tensor], hidden: torch.Tensor,
-             teacher: torch.Tensor):
+             teacher: torch.Tensor, teacher_logp: Optional[torch.Tensor] = None,
+             index: Optional[torch.Tensor] = None):
     """(sum over rows of the soft cross-entropy of the draft's logits against the verifier's
     distribution over the draft vocabulary, the draft's top-1 as target ids). `teacher`:
     the verifier's log-probs over the draft vocab, or (with `teacher_head`) its last
-    hidden states."""
+    hidden states, or (with `teacher_logp` and `index`) its top-k token ids."""
     logits = draft.head(hidden)
     with torch.no_grad():
-        if teacher_head is None:
+        if teacher_logp is not None:
+            p = topk_distribution(teacher, teacher_logp, index, logits.shape[-1])
+        elif teacher_head is None:
             p = teacher.exp()
         else:
             p = torch.log_softmax((teacher.to(teacher_head.dtype) @ teacher_head.T).float(),
@@ -144,6 +183,8 @@ def chain_acceptance(draft: Eagle3Draft, batch: Dict[str, torch.Tensor], head: t
     `greedy` [B, T], the verifier's greedy token after each position, defaults to the argmax
     of its head over the stored last hidden states; along a sequence that *is* the
     verifier's greedy continuation, pass the sequence's own next tokens."""
+    if greedy is None and "topk_ids" in batch:
+        greedy = batch["topk_ids"][..., 0].long()
     if greedy is None:
         targets_of_draft = (torch.arange(draft.shape.draft_vocab_size, device=head.device)
                             + draft.d2t)

@@ -3,10 +3,13 @@
 The loop itself (resumable, incremental, shard repair, signals) is
 ``eagle3x.data.extraction``, the same code the datamodule drives in ``prepare_data()``.
 The prepared data must exist (preflight refuses the run otherwise and names the command).
+With ``extract.workers`` > 1 this process is one worker of a data-parallel extraction
+(its index: ``extract.worker``, else SLURM_PROCID / RANK; ``distributed.extract_worker``).
 """
 
 from __future__ import annotations
 
+from eagle3x import distributed
 from eagle3x.artifacts import Outcome
 from eagle3x.config.schema import EngineConfig, ExtractConfig
 from eagle3x.data import extraction
@@ -15,4 +18,5 @@ from eagle3x.plan import RunPlan
 
 def run(plan: RunPlan, extract: ExtractConfig, engine: EngineConfig) -> Outcome:
     source = extraction.HiddenStates(plan, extract, engine)
-    return extraction.extract(plan, extract, engine.name.value, source.open_engine)
+    worker, _ = distributed.extract_worker(extract.workers, extract.worker)
+    return extraction.extract(plan, extract, engine.name.value, source.open_engine, worker)

@@ -27,7 +27,7 @@ def all_tensors(folder: Path) -> dict:
     for i in range(len(r)):
         s = r[i]
         for k in KEYS:
-            out[k].append(getattr(s, k))
+            out[k].append(s[k])
     return {k: torch.cat(v) for k, v in out.items()}
 
 
