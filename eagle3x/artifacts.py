@@ -122,10 +122,12 @@ def file_entry(path: Path) -> Dict[str, Any]:
 
 
 def safe_member(folder: Path, name: str) -> Path:
-    """`folder/name`, refusing names that would leave the folder (a manifest's `../x`)."""
-    if not name or "/" in name or "\\" in name or name in (".", "..") or name.startswith("."):
+    """`folder/name`, refusing names that would leave the folder (a manifest's `../x`):
+    '/'-separated parts, none empty, hidden, '.' or '..', no backslash."""
+    parts = name.split("/") if name else [""]
+    if "\\" in name or any(not p or p.startswith(".") for p in parts):
         raise ArtifactError(f"{folder / MANIFEST}: file name {name!r} is not allowed")
-    return folder / name
+    return folder.joinpath(*parts)
 
 
 def check_entry(folder: Path, entry: Dict[str, Any], full: bool = False) -> Optional[str]:

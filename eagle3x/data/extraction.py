@@ -320,13 +320,15 @@ def _join(out: Path, m: Dict[str, Any], r: Dict[str, Any]) -> bool:
 
 
 def _extract_part(plan: RunPlan, settings: ExtractConfig, first: int, end: int,
-                  data: Dict[str, Any], engine: _Engine, head: Any, label: str) -> int:
-    """Extract samples [first, end) into their part folder, under the part's lock;
-    return the new tokens (0: it was whole already)."""
+                  data: Dict[str, Any], engine: _Engine, head: Any, owner: str,
+                  label: str) -> int:
+    """Extract samples [first, end), `owner`'s part ("worker i of n"), into their part
+    folder under the part's lock; return the new tokens (0: it was whole already)."""
     from eagle3x.weights import torch_dtype
 
     folder = part_folder(plan.hidden.folder, first, end)
-    with _exclusive(folder, f"{label} is extracting samples {first}..{end - 1}"):
+    with _exclusive(folder, f"another process ({owner}) is extracting samples "
+                            f"{first}..{end - 1}"):
         folder, pm = _open_part(plan, first, end)
         bad = _bad_shards(folder, pm, settings.verify)
         if pm["samples"] >= end - first and not bad:
@@ -401,8 +403,9 @@ def extract(plan: RunPlan, settings: ExtractConfig, engine_name: str,
                          r["base"], r["target"] - 1)
                 for i, (first, end) in enumerate(r["parts"]):
                     if end > first:
-                        new_tokens += _extract_part(plan, settings, first, end, data, engine,
-                                                    head, f"worker {i} (taken over)")
+                        new_tokens += _extract_part(
+                            plan, settings, first, end, data, engine, head,
+                            f"worker {i} of {r['workers']}", f"worker {i} (taken over)")
                 _join(out, m, r)
                 bad = _bad_shards(out, m, settings.verify)
             if m["samples"] < target or bad:
@@ -456,7 +459,8 @@ def _extract_as_worker(plan: RunPlan, settings: ExtractConfig, engine_name: str,
     engine = _Engine(open_engine, engine_name)
     try:
         tokens = (_extract_part(plan, settings, first, end, data, engine, _teacher_head(plan),
-                                f"worker {worker} of {n}") if end > first else 0)
+                                f"worker {worker} of {n}", f"worker {worker} of {n}")
+                  if end > first else 0)
     finally:
         engine.close()
     with _exclusive(out, "another eagle3x process holds this folder"):
