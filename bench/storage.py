@@ -72,6 +72,30 @@ def aux_errors(folders: dict, reference: Path) -> dict:
     return out
 
 
+def outlier_errors(reference: Path, factor: float = 100.0) -> dict:
+    """fp8 and int8 relative RMS error on the reference aux states with one channel per
+    layer multiplied by `factor` (the massive activations of real verifiers' residual
+    streams, which a tiny random model lacks), measured on the other channels."""
+    import torch
+
+    from eagle3x.data.compact import dequantize, quantize
+    from eagle3x.data.shards import ShardReader
+
+    ref = ShardReader(reference)
+    x = torch.cat([ref[i]["aux_hidden"].float() for i in range(min(len(ref), 64))])
+    h = x.shape[1] // 3
+    hot = torch.tensor([7, h + 7, 2 * h + 7])
+    x[:, hot] *= factor
+    keep = torch.ones(x.shape[1], dtype=torch.bool)
+    keep[hot] = False
+    out = {}
+    for kind in ("fp8", "int8"):
+        q = quantize(x, kind)
+        y = dequantize(q["aux_q"], q["aux_scale"])
+        out[kind] = float((y - x)[:, keep].norm() / x[:, keep].norm())
+    return out
+
+
 def topk_mass(folder: Path) -> float:
     """Mean probability the stored top-k carries (of the full vocabulary's 1)."""
     import torch
@@ -121,6 +145,7 @@ def main() -> None:
     run(["stage=extract", "extract.dtype=float32", f"extract.output_dir={ref32}", *common], env)
     quantized = {n: rows[n]["folder"] for n in ("baseline", "fp8", "int8") if n in rows}
     errors = aux_errors(quantized, ref32)
+    outliers = outlier_errors(ref32)
 
     h = next(iter(rows.values()))["hidden"]
     base = rows.get("baseline")
@@ -141,6 +166,8 @@ def main() -> None:
               f"{r['offline']:8.3f} {pct('offline'):>6s} {live:>7s} {pct('live'):>6s}")
     print("\naux relative RMS error against a float32 extraction: "
           + ", ".join(f"{'bf16' if n == 'baseline' else n} {e:.2e}" for n, e in errors.items()))
+    print("the same with one channel per layer x100 (massive activations), error on the "
+          "other channels: " + ", ".join(f"{k} {e:.2e}" for k, e in outliers.items()))
     for name in names:
         if FORMATS[name]["teacher"] == "topk":
             print(f"{name}: the top-{FORMATS[name]['topk']} carry "

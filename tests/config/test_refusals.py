@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -121,9 +122,19 @@ def test_draft_vocab_larger_than_verifier(cli):
 
 
 def test_not_enough_disk_for_hidden_states(cli):
+    # bf16 aux (3 x 128 x 2) + last hidden (128 x 2) + int32 id + uint8 mask
     err = refused(cli("stage=all", env={"EAGLE3X_FREE_BYTES": "1000"}), "not enough disk",
-                  "x 4 x 128 x 2 bytes")
-    assert "1000 B free" in err
+                  "x 1029 bytes per token: hidden size 128, extract.dtype=bfloat16")
+    assert "1000 B free" in err and "extract.aux_format=fp8" in err
+
+
+def test_the_disk_estimate_follows_the_storage_format(cli):
+    err = refused(cli("stage=all", env={"EAGLE3X_FREE_BYTES": "1000"}), "not enough disk")
+    tokens = int(re.search(r"\((\d+) tokens x 1029 bytes", err).group(1))
+    # fp8 aux (3 x 128 + 3 float32 scales) + top-16 (int32 id + fp16 log-prob) + id + mask
+    refused(cli("stage=all", "extract.aux_format=fp8", "extract.teacher=topk", "extract.topk=16",
+                env={"EAGLE3X_FREE_BYTES": "1000"}),
+            f"({tokens} tokens x 497 bytes per token", "aux fp8, teacher topk top-16")
 
 
 def test_missing_prepared_data_names_the_command(cli):
