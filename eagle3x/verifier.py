@@ -43,6 +43,20 @@ class VerifierInfo:
             raw=text,
         )
 
+    @property
+    def logit_softcap(self) -> Optional[float]:
+        """Gemma 2/3's final soft-capping: logits -> cap * tanh(logits / cap) after the
+        lm_head (transformers' Gemma3ForCausalLM.forward, vLLM's LogitsProcessor)."""
+        cap = self.raw.get("final_logit_softcapping")
+        return float(cap) if cap else None
+
+    @property
+    def logit_scale(self) -> float:
+        """What multiplies the lm_head's output: Cohere's `logit_scale`, Granite's
+        1 / `logits_scaling` (transformers' CohereForCausalLM / GraniteForCausalLM)."""
+        scale = float(self.raw.get("logit_scale") or 1.0)
+        return scale / float(self.raw.get("logits_scaling") or 1.0)
+
 
 def read_info(path: str | Path) -> VerifierInfo:
     """Read config.json of a verifier folder; KeyError/OSError/ValueError on a bad one."""

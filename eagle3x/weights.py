@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -53,6 +53,19 @@ def find_tensor(verifier: Path, candidates: Sequence[str]) -> torch.Tensor:
 def verifier_head(verifier: Path, tied: bool) -> torch.Tensor:
     """The verifier's output projection [V, H] (the input embedding when tied)."""
     return find_tensor(verifier, HEAD_NAMES + (EMBED_NAMES if tied else ()))
+
+
+def verifier_logits(hidden: torch.Tensor, head: torch.Tensor, softcap: Optional[float] = None,
+                    scale: float = 1.0) -> torch.Tensor:
+    """The verifier's float32 logits from its last hidden states: the lm_head `head`
+    [V, H] (in its dtype), then what the family applies after it (`VerifierInfo.
+    logit_scale`, then `.logit_softcap`)."""
+    logits = (hidden.to(head.dtype) @ head.T).float()
+    if scale != 1.0:
+        logits = logits * scale
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    return logits
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

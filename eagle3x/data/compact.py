@@ -64,16 +64,20 @@ def dequantize(q: Any, scale: Any) -> Any:
     return (q.float().reshape(t, layers, -1) * scale.float()[..., None]).reshape(t, -1)
 
 
-def topk_teacher(last: Any, head: Any, k: int, chunk: int = 1024) -> Dict[str, Any]:
+def topk_teacher(last: Any, head: Any, k: int, chunk: int = 1024, softcap: Any = None,
+                 scale: float = 1.0) -> Dict[str, Any]:
     """The verifier's top-`k` next tokens and log-probs over its full vocabulary, from its
     last hidden states `last` [T, H] and lm_head `head` [V, H] (on `head`'s device,
-    `chunk` positions at a time)."""
+    `chunk` positions at a time; `softcap`, `scale`: what the family applies after the
+    lm_head, ``weights.verifier_logits``)."""
     import torch
+
+    from eagle3x.weights import verifier_logits
 
     ids, logp = [], []
     for a in range(0, last.shape[0], chunk):
-        logits = last[a:a + chunk].to(head.device, head.dtype) @ head.T
-        lp = torch.log_softmax(logits.float(), -1)
+        logits = verifier_logits(last[a:a + chunk].to(head.device), head, softcap, scale)
+        lp = torch.log_softmax(logits, -1)
         v, i = lp.topk(min(k, lp.shape[-1]), dim=-1)
         ids.append(i.to(torch.int32).cpu())
         logp.append(v.to(torch.float16).cpu())
@@ -81,15 +85,16 @@ def topk_teacher(last: Any, head: Any, k: int, chunk: int = 1024) -> Dict[str, A
 
 
 def encode(aux: Any, last: Any, fmt: Mapping[str, Any], dtype: Any,
-           head: Any = None) -> Dict[str, Any]:
+           head: Any = None, softcap: Any = None, scale: float = 1.0) -> Dict[str, Any]:
     """One sample's stored tensors (all [T, ...]) in format `fmt`; `dtype` is extract.dtype's
-    torch dtype; `head` the verifier's lm_head (for teacher "topk")."""
+    torch dtype; `head` the verifier's lm_head, `softcap` and `scale` what follows it (for
+    teacher "topk")."""
     out = ({"aux_hidden": aux.to(dtype)} if fmt["aux"] == "native"
            else quantize(aux, fmt["aux"]))
     if fmt["teacher"] == "hidden":
         out["last_hidden"] = last.to(dtype)
     else:
-        out.update(topk_teacher(last, head, fmt["topk"]))
+        out.update(topk_teacher(last, head, fmt["topk"], softcap=softcap, scale=scale))
     return out
 
 

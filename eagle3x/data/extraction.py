@@ -114,7 +114,9 @@ class _Writer:
         """Buffer one sample; it is written by the next flush."""
         from eagle3x.data.compact import encode
 
-        self.buf.append((ids, mask, encode(aux, last, self.fmt, self.dtype, self.head)))
+        head, softcap, scale = self.head if self.head is not None else (None, None, 1.0)
+        self.buf.append((ids, mask, encode(aux, last, self.fmt, self.dtype, head, softcap,
+                                           scale)))
         self.tokens += len(ids)
 
     def add(self, ids: Any, mask: Any, aux: Any, last: Any) -> None:
@@ -356,7 +358,8 @@ def _record_run(folder: Path, m: Dict[str, Any], engine: _Engine, samples: int, 
 
 
 def _teacher_head(plan: RunPlan) -> Any:
-    """The verifier's lm_head for a top-k teacher (on the GPU when there is one), else None."""
+    """(the verifier's lm_head, on the GPU when there is one; its soft-cap; its logit
+    scale) for a top-k teacher, else None."""
     if plan.hidden_format["teacher"] != "topk":
         return None
     import torch
@@ -364,7 +367,9 @@ def _teacher_head(plan: RunPlan) -> Any:
     from eagle3x.weights import verifier_head
 
     head = verifier_head(plan.verifier.path, plan.verifier.tied_head)
-    return head.to("cuda") if torch.cuda.is_available() else head.float()
+    head = head.to("cuda") if torch.cuda.is_available() else head.float()
+    info = plan.verifier.info
+    return head, info.logit_softcap, info.logit_scale
 
 
 def extract(plan: RunPlan, settings: ExtractConfig, engine_name: str,

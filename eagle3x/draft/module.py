@@ -22,7 +22,8 @@ class DraftModule(L.LightningModule):
 
     def __init__(self, *, shape: Dict[str, Any], train: Dict[str, Any], verifier: str,
                  tied_head: bool, aux_layer_ids: list, max_steps: int,
-                 d2t: Optional[torch.Tensor] = None, t2d: Optional[torch.Tensor] = None):
+                 d2t: Optional[torch.Tensor] = None, t2d: Optional[torch.Tensor] = None,
+                 logit_softcap: Optional[float] = None, logit_scale: float = 1.0):
         super().__init__()
         # logger=False: the run logger already carries the full resolved Hydra config.
         self.save_hyperparameters(ignore=["d2t", "t2d"], logger=False)
@@ -46,7 +47,9 @@ class DraftModule(L.LightningModule):
     def _metrics(self, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         t = self.hparams.train
         return ttt_step_metrics(self.draft, batch, self.head, t["ttt_steps"], t["step_weight"],
-                                chunk=t.get("loss_chunk", 2048))
+                                chunk=t.get("loss_chunk", 2048),
+                                softcap=self.hparams.get("logit_softcap"),
+                                scale=self.hparams.get("logit_scale", 1.0))
 
     def _world(self) -> int:
         return self.trainer.world_size if self._trainer is not None else 1

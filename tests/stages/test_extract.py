@@ -240,3 +240,27 @@ def test_a_verifier_vllm_cannot_take_aux_states_from_is_refused_before_prepare(c
     assert r.returncode == 2, r.stderr[-3000:]
     assert "Gemma3ForCausalLM" in r.stderr and "SupportsEagle3" in r.stderr
     assert not (store / "prepared").exists()
+
+
+@pytest.mark.vllm
+def test_a_verifier_whose_vllm_module_cannot_be_imported_is_refused_before_prepare(
+        cli, store, tiny_verifier, tmp_path):
+    """vLLM registers Qwen2_5_VLForConditionalGeneration, but its module imports
+    transformers' image processor, which imports torchvision (removed by the README's CPU
+    install): vLLM would fail "to be inspected" at engine start."""
+    pytest.importorskip("vllm")
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed here: vLLM can import the module")
+    verifier = tmp_path / "qwen-vl-named"
+    shutil.copytree(tiny_verifier, verifier)
+    cfg = json.loads((verifier / "config.json").read_text())
+    cfg["architectures"] = ["Qwen2_5_VLForConditionalGeneration"]
+    (verifier / "config.json").write_text(json.dumps(cfg))
+    r = cli("stage=train", "verifier=local", f"verifier.path={verifier}", "experiment=tiny",
+            "engine=vllm", "logger=none")
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "vllm.model_executor.models.qwen2_5_vl" in r.stderr and "torchvision" in r.stderr
+    assert "engine=hf" in r.stderr
+    assert not (store / "prepared").exists()
