@@ -72,7 +72,7 @@ class VerifierRef:
 
     @property
     def tied_head(self) -> bool:
-        return bool(self.info.raw.get("tie_word_embeddings", False))
+        return self.info.tied
 
     @property
     def rms_norm_eps(self) -> float:

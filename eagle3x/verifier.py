@@ -27,6 +27,8 @@ class VerifierInfo:
     intermediate_size: int
     architectures: tuple
     raw: dict
+    #: the lm_head is the input embedding (no lm_head.weight in the checkpoint)
+    tied: bool = False
 
     @classmethod
     def from_config(cls, raw: dict) -> "VerifierInfo":
@@ -41,6 +43,9 @@ class VerifierInfo:
             intermediate_size=int(text.get("intermediate_size", 0)),
             architectures=tuple(raw.get("architectures") or ()),
             raw=text,
+            # A wrapper's flag sits at its top level (transformers 5 writes it only there).
+            tied=bool(raw["tie_word_embeddings"] if "tie_word_embeddings" in raw
+                      else text.get("tie_word_embeddings", False)),
         )
 
     @property
