@@ -51,12 +51,18 @@ def identity(folder: Path) -> dict:
             for p in folder.rglob("shard-*.safetensors")}
 
 
+@pytest.fixture(scope="module")
+def reference_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("reference") / "one"
+
+
 @pytest.fixture
-def reference(cli, prepared, tmp_path):  # noqa: F811
-    """The one-process extraction every multi-worker result must equal."""
-    out = tmp_path / "one"
-    run(extract_cmd(out), cli.cwd)
-    return out
+def reference(cli, prepared, reference_dir):  # noqa: F811
+    """The one-process extraction every multi-worker result must equal (made once: every
+    test's store holds the same prepared data)."""
+    if not (reference_dir / "manifest.json").exists():
+        run(extract_cmd(reference_dir), cli.cwd)
+    return reference_dir
 
 
 def test_ranges_are_contiguous_cover_everything_and_differ_by_at_most_one():
