@@ -448,13 +448,25 @@ def live_serving(w: World) -> List[Problem]:
     return _mla_on_cpu(w) if w.cfg.eval.live else []
 
 
+def _cpu_has_amx() -> bool:
+    """x86 AMX tiles, as the kernel reports them (torch.cpu._is_amx_tile_supported, read
+    without torch)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return any(line.startswith("flags") and "amx_tile" in line.split() for line in f)
+    except OSError:
+        return False
+
+
 def _mla_on_cpu(w: World) -> List[Problem]:
     """An MLA verifier (DeepSeek-V2/V3, Kimi-K2) cannot serve the exported draft on vLLM's
-    CPU build: the verifier's MLA layers and the draft's attention share one KV-cache block
-    size, and vllm/v1/worker/utils.py (select_common_block_size) finds none: CPU_MLA takes
-    only 16, CPU_ATTN only multiples of 32 ("No common block size for 16"). On CUDA vLLM
-    picks the block size after loading the draft, from sizes both backends accept."""
-    if w.info is None or visible_gpus() > 0:
+    CPU build without AMX: vllm/platforms/cpu.py (check_and_update_config) then runs the
+    reference CPU_MLA backend with block size 16, the verifier's MLA layers and the draft's
+    attention share one KV-cache group, and vllm/v1/worker/utils.py
+    (select_common_block_size) finds no size both take: CPU_MLA only 16, CPU_ATTN only
+    multiples of 32 ("No common block size for 16"). With AMX (AMX_MLA, multiples of 32)
+    or on CUDA (the block size is chosen after the draft loads) a size exists."""
+    if w.info is None or visible_gpus() > 0 or _cpu_has_amx():
         return []
     raw = w.info.raw
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
@@ -463,9 +475,10 @@ def _mla_on_cpu(w: World) -> List[Problem]:
         return []
     arch = ", ".join(w.info.architectures) or "this verifier"
     return [Problem("eval.live", f"{arch} uses multi-head latent attention (kv_lora_rank="
-                    f"{rank}): on vLLM's CPU build its MLA layers and the draft's attention "
-                    "have no common KV-cache block size (CPU_MLA: 16; CPU_ATTN: multiples of "
-                    "32), so vLLM fails to start serving the draft beside it.", value="true",
+                    f"{rank}): on vLLM's CPU build without AMX its MLA layers and the draft's "
+                    "attention have no common KV-cache block size (CPU_MLA: 16; CPU_ATTN: "
+                    "multiples of 32), so vLLM fails to start serving the draft beside it.",
+                    value="true",
                     hint="drop eval.live here (the offline eval still runs), or run "
                          "stage=eval eval.live=true on a GPU node")]
 
