@@ -34,6 +34,19 @@ def eagle3_support_problem(architectures: Sequence[str]) -> Optional[str]:
     from vllm.model_executor.models import ModelRegistry
     from vllm.model_executor.models.interfaces import supports_eagle3
 
+    import logging
+
+    quiet = logging.getLogger("vllm")  # its registry logs a failed import's traceback
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
+    try:
+        return _support_problem(architectures, ModelRegistry, supports_eagle3)
+    finally:
+        quiet.setLevel(level)
+
+
+def _support_problem(architectures: Sequence[str], ModelRegistry: Any,
+                     supports_eagle3: Any) -> Optional[str]:
     for arch in architectures:
         cls = ModelRegistry._try_load_model_cls(arch)
         if cls is None and arch in ModelRegistry.get_supported_archs():
