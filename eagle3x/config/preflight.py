@@ -613,21 +613,3 @@ def disk(w: World) -> List[Problem]:
                              "fewer data.num_samples, extract.dtype=bfloat16, or compact "
                              "storage: extract.aux_format=fp8 extract.teacher=topk")]
     return []
-    cfg, out = w.cfg, w.plan.hidden.folder
-    tokens, how = estimate_tokens(cfg, w.plan)
-    per_token = 4 * w.plan.verifier.info.hidden_size * DTYPE_BYTES[cfg.extract.dtype.value]
-    need = tokens * per_token
-    have_m = artifacts.complete_manifest(out) if out.exists() else None
-    if have_m:
-        need = max(0, need - sum(s["bytes"] for s in have_m.get("shards", [])))
-    free = free_bytes(out)
-    if need > free:
-        return [Problem("extract.output_dir",
-                        f"not enough disk: hidden states need about {human_bytes(need)} "
-                        f"({tokens} tokens x 4 x {w.plan.verifier.info.hidden_size} x "
-                        f"{DTYPE_BYTES[cfg.extract.dtype.value]} bytes, {how}), "
-                        f"{human_bytes(free)} free at {_existing_ancestor(out)}.",
-                        value=str(out),
-                        hint="free space, pick another extract.output_dir / paths.artifacts, "
-                             "fewer data.num_samples, or extract.dtype=bfloat16")]
-    return []

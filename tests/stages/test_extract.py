@@ -223,6 +223,18 @@ def test_datamodule_builds_missing_shards_and_batches_them(store, tiny_verifier)
     assert batch["loss_mask"][short, batch["lengths"][short]:].sum() == 0  # padding never trained
 
 
+def train_with_architecture(cli, tiny_verifier: Path, tmp_path: Path, arch: str):
+    """`stage=train engine=vllm` with the tiny verifier's config.json naming `arch`: what
+    vLLM's registry resolves the model class from."""
+    verifier = tmp_path / f"{arch}-named"
+    shutil.copytree(tiny_verifier, verifier)
+    cfg = json.loads((verifier / "config.json").read_text())
+    cfg["architectures"] = [arch]
+    (verifier / "config.json").write_text(json.dumps(cfg))
+    return cli("stage=train", "verifier=local", f"verifier.path={verifier}", "experiment=tiny",
+               "engine=vllm", "logger=none")
+
+
 @pytest.mark.vllm
 def test_a_verifier_vllm_cannot_take_aux_states_from_is_refused_before_prepare(cli, store,
                                                                                tiny_verifier,
@@ -230,13 +242,7 @@ def test_a_verifier_vllm_cannot_take_aux_states_from_is_refused_before_prepare(c
     """vLLM's Gemma3ForCausalLM lacks SupportsEagle3: today's vLLM would fail only after its
     engine started. The architecture name is what vLLM's registry resolves."""
     pytest.importorskip("vllm")
-    verifier = tmp_path / "gemma-named"
-    shutil.copytree(tiny_verifier, verifier)
-    cfg = json.loads((verifier / "config.json").read_text())
-    cfg["architectures"] = ["Gemma3ForCausalLM"]
-    (verifier / "config.json").write_text(json.dumps(cfg))
-    r = cli("stage=train", "verifier=local", f"verifier.path={verifier}", "experiment=tiny",
-            "engine=vllm", "logger=none")
+    r = train_with_architecture(cli, tiny_verifier, tmp_path, "Gemma3ForCausalLM")
     assert r.returncode == 2, r.stderr[-3000:]
     assert "Gemma3ForCausalLM" in r.stderr and "SupportsEagle3" in r.stderr
     assert not (store / "prepared").exists()
@@ -253,13 +259,7 @@ def test_a_verifier_whose_vllm_module_cannot_be_imported_is_refused_before_prepa
 
     if importlib.util.find_spec("torchvision") is not None:
         pytest.skip("torchvision is installed here: vLLM can import the module")
-    verifier = tmp_path / "qwen-vl-named"
-    shutil.copytree(tiny_verifier, verifier)
-    cfg = json.loads((verifier / "config.json").read_text())
-    cfg["architectures"] = ["Qwen2_5_VLForConditionalGeneration"]
-    (verifier / "config.json").write_text(json.dumps(cfg))
-    r = cli("stage=train", "verifier=local", f"verifier.path={verifier}", "experiment=tiny",
-            "engine=vllm", "logger=none")
+    r = train_with_architecture(cli, tiny_verifier, tmp_path, "Qwen2_5_VLForConditionalGeneration")
     assert r.returncode == 2, r.stderr[-3000:]
     assert "vllm.model_executor.models.qwen2_5_vl" in r.stderr and "torchvision" in r.stderr
     assert "engine=hf" in r.stderr and "Traceback" not in r.stderr
