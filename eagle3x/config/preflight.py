@@ -563,8 +563,11 @@ def extract_workers(w: World) -> List[Problem]:
             r = json.loads((w.plan.hidden.folder / "round.json").read_text())
             n = _prepared_count(w.plan)
             target = w.plan.split.extract_until(n) if n is not None else None
+            have = (artifacts.complete_manifest(w.plan.hidden.folder) or {}).get("samples", 0)
         except (OSError, ValueError, KeyError):
             return problems
+        if have >= r["target"] and have != r["base"]:
+            return problems  # joined; the job removes the leftover round.json
         if r.get("workers") != cfg.extract.workers or (target is not None and
                                                        r.get("target") != target):
             problems.append(Problem(

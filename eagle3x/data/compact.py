@@ -64,11 +64,11 @@ def dequantize(q: Any, scale: Any) -> Any:
     return (q.float().reshape(t, layers, -1) * scale.float()[..., None]).reshape(t, -1)
 
 
-def topk_teacher(last: Any, head: Any, k: int, chunk: int = 1024, softcap: Any = None,
+def topk_teacher(last: Any, head: Any, k: int, chunk: int = 256, softcap: Any = None,
                  scale: float = 1.0) -> Dict[str, Any]:
     """The verifier's top-`k` next tokens and log-probs over its full vocabulary, from its
     last hidden states `last` [T, H] and lm_head `head` [V, H] (on `head`'s device,
-    `chunk` positions at a time; `softcap`, `scale`: what the family applies after the
+    `chunk` positions at a time: a [chunk, V] float32 block, 256 MiB for a 262K vocabulary; `softcap`, `scale`: what the family applies after the
     lm_head, ``weights.verifier_logits``)."""
     import torch
 

@@ -114,7 +114,7 @@ class _Writer:
         """Buffer one sample; it is written by the next flush."""
         from eagle3x.data.compact import encode
 
-        head, softcap, scale = self.head if self.head is not None else (None, None, 1.0)
+        head, softcap, scale = self.head.get() if self.head is not None else (None, None, 1.0)
         self.buf.append((ids, mask, encode(aux, last, self.fmt, self.dtype, head, softcap,
                                            scale)))
         self.tokens += len(ids)
@@ -269,7 +269,9 @@ def pending_round(out: Path, m: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         raise artifacts.ArtifactError(
             f"{path}: a round of {r['workers']} workers extracting samples {r['base']}.."
             f"{r['target'] - 1}, but {out / artifacts.MANIFEST} holds {m['samples']} samples; "
-            f"remove {path} and {out / PARTS} to start the round again")
+            f"remove {path} and this round's part folders ("
+            + ", ".join(part_folder(out, a, b).name for a, b in r["parts"]) +
+            f" under {out / PARTS}) to start the round again")
     return r
 
 
@@ -357,19 +359,29 @@ def _record_run(folder: Path, m: Dict[str, Any], engine: _Engine, samples: int, 
     artifacts.write_json_atomic(folder / artifacts.MANIFEST, m)
 
 
-def _teacher_head(plan: RunPlan) -> Any:
+class _TeacherHead:
     """(the verifier's lm_head, on the GPU when there is one; its soft-cap; its logit
-    scale) for a top-k teacher, else None."""
-    if plan.hidden_format["teacher"] != "topk":
-        return None
-    import torch
+    scale) for a top-k teacher, loaded at the first sample written: after the engine has
+    started and taken its memory, and never when nothing is extracted."""
 
-    from eagle3x.weights import verifier_head
+    def __init__(self, plan: RunPlan):
+        self.plan, self.loaded = plan, None
 
-    head = verifier_head(plan.verifier.path, plan.verifier.tied_head)
-    head = head.to("cuda") if torch.cuda.is_available() else head.float()
-    info = plan.verifier.info
-    return head, info.logit_softcap, info.logit_scale
+    def get(self) -> tuple:
+        if self.loaded is None:
+            import torch
+
+            from eagle3x.weights import verifier_head
+
+            head = verifier_head(self.plan.verifier.path, self.plan.verifier.tied_head)
+            head = head.to("cuda") if torch.cuda.is_available() else head.float()
+            info = self.plan.verifier.info
+            self.loaded = (head, info.logit_softcap, info.logit_scale)
+        return self.loaded
+
+
+def _teacher_head(plan: RunPlan) -> Any:
+    return _TeacherHead(plan) if plan.hidden_format["teacher"] == "topk" else None
 
 
 def extract(plan: RunPlan, settings: ExtractConfig, engine_name: str,
@@ -396,9 +408,11 @@ def extract(plan: RunPlan, settings: ExtractConfig, engine_name: str,
             m = open_manifest(plan)
             r = pending_round(out, m)
             bad = _bad_shards(out, m, settings.verify)
-            if m["samples"] >= target and not bad and r is None:
-                log.info("reusing hidden states at %s: %d samples in %d shards (%d asked for)",
-                         out, m["samples"], len(m["shards"]), target)
+            if m["samples"] >= target and not bad:
+                log.info("reusing hidden states at %s: %d samples in %d shards (%d asked for)%s",
+                         out, m["samples"], len(m["shards"]), target,
+                         "" if r is None else f"; {r['workers']} workers are extracting "
+                         f"samples {r['base']}..{r['target'] - 1}, which this run does not read")
                 return Outcome("hidden", "reused", out)
             done_before, shards_before = m["samples"], len(m["shards"])
             head = _teacher_head(plan)
@@ -503,5 +517,9 @@ class HiddenStates:
 
         ensure(self.plan.verifier.path, self.plan.verifier.tiny)
         done = [prepared.build(self.plan)] if prepare else []
-        done.append(extract(self.plan, self.extract, self.engine.name.value, self.open_engine))
+        from eagle3x.distributed import extract_worker
+
+        worker, _ = extract_worker(self.extract.workers, self.extract.worker)
+        done.append(extract(self.plan, self.extract, self.engine.name.value, self.open_engine,
+                            worker))
         return done
