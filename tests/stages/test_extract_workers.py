@@ -190,3 +190,25 @@ def test_workers_run_as_stage_extract_and_need_an_index(cli, prepared):  # noqa:
     assert r.returncode == 2 and "extract.worker" in r.stderr and "SLURM_PROCID" in r.stderr
     r = cli("stage=extract", "engine=hf", "extract.workers=2", "extract.worker=2")
     assert r.returncode == 2 and "not in 0..1" in r.stderr
+
+
+def test_a_round_joined_but_not_cleaned_up_is_recognised(tmp_path):
+    from eagle3x.data.extraction import pending_round
+
+    (tmp_path / "round.json").write_text(json.dumps({"base": 0, "target": 96, "workers": 2,
+                                                     "parts": PARTS}))
+    assert pending_round(tmp_path, {"samples": 0})["workers"] == 2  # under way
+    assert pending_round(tmp_path, {"samples": 96}) is None  # joined, then cut off
+    assert not (tmp_path / "round.json").exists()
+
+
+def test_a_run_that_needs_only_the_joined_prefix_does_not_wait_for_a_round(cli, prepared,  # noqa: F811
+                                                                           tmp_path):
+    out = tmp_path / "h"
+    small = [a if a != "data.num_samples=64" else "data.num_samples=16" for a in extract_cmd(out)]
+    run(small, cli.cwd)  # samples 0..47
+    r = run(extract_cmd(out, "extract.workers=2", "extract.worker=0"), cli.cwd)  # 48..71 of 48..95
+    assert "waiting for the other workers" in r.stdout + r.stderr
+    r = run(small, cli.cwd)
+    assert "which this run does not read" in r.stdout + r.stderr
+    assert manifest(out)["samples"] == 48 and (out / "round.json").exists()
