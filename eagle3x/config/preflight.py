@@ -468,9 +468,7 @@ def _mla_on_cpu(w: World) -> List[Problem]:
     or on CUDA (the block size is chosen after the draft loads) a size exists."""
     if w.info is None or visible_gpus() > 0 or _cpu_has_amx():
         return []
-    raw = w.info.raw
-    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
-    rank = text.get("kv_lora_rank")
+    rank = w.info.raw.get("kv_lora_rank")  # raw: the language model's config already
     if not rank:
         return []
     arch = ", ".join(w.info.architectures) or "this verifier"

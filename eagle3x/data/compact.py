@@ -68,8 +68,9 @@ def topk_teacher(last: Any, head: Any, k: int, chunk: int = 256, softcap: Any = 
                  scale: float = 1.0) -> Dict[str, Any]:
     """The verifier's top-`k` next tokens and log-probs over its full vocabulary, from its
     last hidden states `last` [T, H] and lm_head `head` [V, H] (on `head`'s device,
-    `chunk` positions at a time: a [chunk, V] float32 block, 256 MiB for a 262K vocabulary; `softcap`, `scale`: what the family applies after the
-    lm_head, ``weights.verifier_logits``)."""
+    `chunk` positions at a time: a [chunk, V] float32 block, 256 MiB for a 262K
+    vocabulary; `softcap`, `scale`: what the family applies after the lm_head,
+    ``weights.verifier_logits``)."""
     import torch
 
     from eagle3x.weights import verifier_logits
