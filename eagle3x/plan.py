@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 from eagle3x import artifacts, verifier
+from eagle3x.families import describe as describe_family
 from eagle3x.config.schema import Eagle3xConfig, Responses, Stage
 from eagle3x.verifier import VerifierInfo
 
@@ -218,6 +219,8 @@ class RunPlan:
             "verifier": {"path": str(self.verifier.path), "tiny": self.verifier.tiny,
                          "fingerprint": self.verifier.fingerprint,
                          "architectures": list(self.verifier.info.architectures),
+                         "family": describe_family(self.verifier.info.architectures,
+                                                   self.verifier.info.wrapped),
                          "num_layers": self.verifier.info.num_layers,
                          "hidden_size": self.verifier.info.hidden_size,
                          "vocab_size": self.verifier.info.vocab_size},

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -29,6 +29,10 @@ class VerifierInfo:
     raw: dict
     #: the lm_head is the input embedding (no lm_head.weight in the checkpoint)
     tied: bool = False
+    #: a multimodal wrapper: the language model's config sits under text_config
+    wrapped: bool = False
+    #: config.json's quantization_config (a wrapper's at its top level), {} when none
+    quantization: dict = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, raw: dict) -> "VerifierInfo":
@@ -46,6 +50,9 @@ class VerifierInfo:
             # A wrapper's flag sits at its top level (transformers 5 writes it only there).
             tied=bool(raw["tie_word_embeddings"] if "tie_word_embeddings" in raw
                       else text.get("tie_word_embeddings", False)),
+            wrapped=text is not raw,
+            quantization=dict(raw.get("quantization_config")
+                              or text.get("quantization_config") or {}),
         )
 
     @property

@@ -437,6 +437,44 @@ def logger_installed(w: World) -> List[Problem]:
     return []
 
 
+def vllm_family(w: World) -> List[Problem]:
+    """extract with engine=vllm, and eval.live: vLLM can give this verifier's aux hidden
+    states, decided from config.json's architectures and eagle3x's family table
+    (eagle3x.families; no vLLM import). Architectures not in the table are asked of vLLM's
+    registry before the stages start (eagle3x.pipeline)."""
+    from eagle3x.families import family_of
+
+    if w.info is None:
+        return []
+    uses = []
+    if ("extract" in w.runs and w.cfg.engine.name is EngineName.vllm
+            and extraction_pending(w.plan)):
+        uses.append(("engine", "vllm", "engine=hf extracts it (transformers)"))
+    if "eval" in w.runs and w.cfg.eval.live:
+        uses.append(("eval.live", "true", "drop eval.live (the offline eval still runs)"))
+    fam = family_of(w.info.architectures)
+    why = fam.vllm_problem() if fam else None
+    if why:
+        return [Problem(key, why, value=value, hint=hint) for key, value, hint in uses]
+    return _vllm_checkpoint(w, uses) if uses else []
+
+
+def _vllm_checkpoint(w: World, uses: List[Tuple[str, str, str]]) -> List[Problem]:
+    """The verifier's quantization and engine.dtype against what vLLM runs here
+    (eagle3x.families.vllm_checkpoint_problem), for each way this command uses vLLM."""
+    from eagle3x.families import vllm_checkpoint_problem
+
+    dtype = w.cfg.engine.dtype
+    found = vllm_checkpoint_problem(w.info.raw, w.info.quantization, dtype, visible_gpus(),
+                                    _cpu_has_amx())
+    if not found:
+        return []
+    key, why, hint = found
+    if key == "engine.dtype":
+        return [Problem(key, why, value=str(dtype), hint=hint, where=_given(w.overrides, key))]
+    return [Problem(k, why, value=v, hint=hint if k == "engine" else h) for k, v, h in uses]
+
+
 def live_serving(w: World) -> List[Problem]:
     """eval: eval.live serves the draft with vLLM, which must be installed."""
     import importlib.util

@@ -13,15 +13,12 @@ from eagle3x.weights import torch_dtype
 class HFEngine:
     def __init__(self, verifier: Path, aux_ids: Sequence[int], dtype: str = "auto",
                  device: str = "auto", trust_remote_code: bool = False):
-        from transformers import AutoModel
-
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         self.aux_ids = list(aux_ids)
-        self.model = AutoModel.from_pretrained(
-            str(verifier), dtype=torch_dtype(dtype), use_safetensors=True,
-            trust_remote_code=trust_remote_code).to(self.device).eval()
+        self.model = load_base_model(Path(verifier), torch_dtype(dtype),
+                                     trust_remote_code).to(self.device).eval()
 
     @torch.inference_mode()
     def extract(self, batch: Sequence[Sequence[int]]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
@@ -41,3 +38,52 @@ class HFEngine:
 
     def close(self) -> None:
         del self.model
+
+
+class VerifierLoadError(RuntimeError):
+    """transformers left parameters of the verifier at their random initialisation."""
+
+
+def load_base_model(verifier: Path, dtype: torch.dtype, trust_remote_code: bool) -> torch.nn.Module:
+    """The verifier's decoder stack (no head), every parameter read from its checkpoint.
+    The dtype applies to what is computed; a compressed-tensors checkpoint's int4 weights
+    are dequantized on load (transformers' CompressedTensorsHfQuantizer).
+
+    A quantized checkpoint is loaded through its own architecture class, then its base
+    model taken: compressed-tensors' `ignore` list names modules as the full model names
+    them (``model.layers.0.mlp.gate_proj``), and loading the base class alone (AutoModel,
+    whose modules are ``layers.0...``) would match none of them, expect int4 tensors for
+    the float layers and initialise those at random. Any parameter transformers reports
+    missing from the checkpoint is refused (its features would be noise)."""
+    import json
+
+    import transformers
+    from transformers import AutoModel
+
+    with open(verifier / "config.json", encoding="utf-8") as f:
+        config = json.load(f)
+    cls, extra = AutoModel, {}
+    quant = config.get("quantization_config") or {}
+    if quant:
+        named = [getattr(transformers, a, None) for a in config.get("architectures") or ()]
+        cls = next((c for c in named if c is not None and hasattr(c, "from_pretrained")),
+                   AutoModel)
+    if quant.get("quant_method") == "compressed-tensors":
+        # int4 weights dequantized once on load (its compressed forward has no CPU path)
+        extra["quantization_config"] = transformers.CompressedTensorsConfig(dequantize=True)
+    model, info = cls.from_pretrained(str(verifier), dtype=dtype, use_safetensors=True,
+                                      trust_remote_code=trust_remote_code,
+                                      output_loading_info=True, **extra)
+    missing = sorted(info.get("missing_keys") or ())
+    if cls is not AutoModel:
+        missing = [k for k in missing if not k.startswith("lm_head.")]
+        base = getattr(model, "model", None)
+        if base is None:
+            raise VerifierLoadError(f"{verifier}: {cls.__name__} has no base model (.model)")
+        model = base
+    if missing:
+        shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+        raise VerifierLoadError(
+            f"{verifier}: transformers found no weights for {len(missing)} parameters of "
+            f"{cls.__name__} ({shown}); they would be random, and so would the hidden states.")
+    return model

@@ -167,3 +167,62 @@ def test_last_is_what_the_lm_head_reads(name, run):
             uncapped = verifier_logits(last, head, None, info.logit_scale)
             d = _scale_diff(uncapped, want)
             assert d > WRONG, f"{name}: the soft-cap does not change the logits ({d:.2e})"
+
+
+@pytest.mark.parametrize("name,only", [("llama", None),
+                                       ("deepseek_v3", r"mlp\.experts\.\d+\.")],
+                         ids=["llama-all-linear", "deepseek_v3-routed-experts"])
+def test_a_w4a16_checkpoint_extracts_what_its_dequantized_weights_give(name, only, cache_dir,
+                                                                      tiny_verifier):
+    """A compressed-tensors W4A16 checkpoint (int4 groups of 32; every linear layer, or
+    only the routed experts as Kimi-K2.5) through the hf engine: transformers dequantizes
+    it on load (its compressed-tensors quantizer), so the features are those of the float
+    checkpoint holding the dequantized weights, and eagle3x reads the head, embedding and
+    final norm (kept float, as real checkpoints keep them) from the quantized folder."""
+    pytest.importorskip("compressed_tensors")
+    from eagle3x.engines.hf import HFEngine
+    from eagle3x.families import w4a16
+
+    tag = "all" if only is None else "experts"
+    q = zoo.build_w4a16(name, cache_dir / "zoo" / f"{name}_w4a16_{tag}", tiny_verifier, only)
+    ref = zoo.build_w4a16(name, cache_dir / "zoo" / f"{name}_w4a16_{tag}_ref", tiny_verifier,
+                          only, reference=True)
+    assert w4a16(read_info(q).quantization) and not read_info(ref).quantization
+    g = torch.Generator().manual_seed(7)
+    seqs = [torch.randint(3, 1001, (n,), generator=g).tolist() for n in LENGTHS]
+    got = []
+    for path in (q, ref):
+        engine = HFEngine(path, default_aux_layers(8), "float32", "cpu")
+        try:
+            got.append(engine.extract(seqs))
+        finally:
+            engine.close()
+    for (qa, ql), (ra, rl) in zip(*got):
+        assert _scale_diff(qa.float(), ra.float()) <= TOL
+        assert _scale_diff(ql.float(), rl.float()) <= TOL
+    base = zoo.build(name, cache_dir / "zoo" / name, tiny_verifier)  # int4 is not the float model
+    engine = HFEngine(base, default_aux_layers(8), "float32", "cpu")
+    try:
+        full = engine.extract(seqs)
+    finally:
+        engine.close()
+    assert _scale_diff(full[0][1].float(), got[1][0][1].float()) > WRONG
+
+
+def test_a_checkpoint_missing_weights_is_refused_not_filled_at_random(tiny_verifier, tmp_path):
+    """transformers initialises what a checkpoint lacks at random and goes on; the hf
+    engine stops, naming the parameters (here a layer's MLP weight left out)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from eagle3x.engines.hf import HFEngine, VerifierLoadError
+
+    folder = tmp_path / "partial"
+    shutil.copytree(tiny_verifier, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    gone = next(k for k in tensors if k.endswith("layers.2.mlp.up_proj.weight"))
+    del tensors[gone]
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(VerifierLoadError, match=r"layers\.2\.mlp\.up_proj\.weight"):
+        HFEngine(folder, [1, 3, 4], "float32", "cpu")

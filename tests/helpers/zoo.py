@@ -228,7 +228,7 @@ def _perturb(model) -> None:
                 p.add_(torch.randn_like(p) * INIT_STD)
 
 
-def _make(name: str, out: Path, tokenizer_from: Path) -> None:
+def _make(name: str, out: Path, tokenizer_from: Path, fit: bool = False) -> None:
     import torch
 
     cfg = FAMILIES[name]()
@@ -238,7 +238,14 @@ def _make(name: str, out: Path, tokenizer_from: Path) -> None:
         model = cls.from_config(cfg, dtype=torch.float32)
     else:
         model = cls._from_config(cfg, dtype=torch.float32)
-    _perturb(model)
+    if fit:  # from transformers' own init, as the embedded tiny verifier is fitted
+        from transformers import AutoTokenizer
+
+        from eagle3x import tiny
+
+        tiny._fit(model, AutoTokenizer.from_pretrained(tokenizer_from))
+    else:
+        _perturb(model)
     model.eval()
     model.save_pretrained(out, safe_serialization=True)
     copied = []
@@ -251,8 +258,12 @@ def _make(name: str, out: Path, tokenizer_from: Path) -> None:
         raise ZooBuildError(f"{tokenizer_from}: no tokenizer.json to copy")
 
 
-def build(name: str, folder: str | Path, tokenizer_from: str | Path) -> Path:
+def build(name: str, folder: str | Path, tokenizer_from: str | Path, fit: bool = False) -> Path:
     """The family `name`'s tiny checkpoint at `folder`, built unless a complete one is there.
+
+    `fit`: instead of the perturbed random weights, fit it briefly to the bundled
+    conversations (`eagle3x.tiny._fit`, as the embedded verifier), so that a draft trained
+    beside it has something to predict (benchmarks; minutes on a CPU).
 
     Built into a temporary folder beside it and renamed, under a file lock. Raises
     ZooBuildError naming the family, the transformers version and the error when the
@@ -261,19 +272,19 @@ def build(name: str, folder: str | Path, tokenizer_from: str | Path) -> Path:
     if name not in FAMILIES:
         raise KeyError(f"unknown zoo family {name!r}; known: {list(FAMILIES)}")
     folder = Path(folder)
-    if _complete(folder):
+    if _complete(folder, fit):
         return folder
     from filelock import FileLock
 
     folder.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(folder) + ".lock"):
-        if _complete(folder):
+        if _complete(folder, fit):
             return folder
         tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
         os.chmod(tmp, 0o755)
         try:
             try:
-                _make(name, tmp, Path(tokenizer_from))
+                _make(name, tmp, Path(tokenizer_from), fit)
             except ZooBuildError:
                 raise
             except Exception as exc:  # the installed transformers cannot build it
@@ -283,7 +294,7 @@ def build(name: str, folder: str | Path, tokenizer_from: str | Path) -> Path:
                     f"zoo family {name!r} cannot be built with transformers "
                     f"{transformers.__version__}: {type(exc).__name__}: {exc}") from exc
             with open(tmp / MARKER, "w", encoding="utf-8") as f:
-                json.dump({"zoo_id": ZOO_ID, "family": name}, f)
+                json.dump({"zoo_id": ZOO_ID, "family": name, "fit": fit}, f)
             if folder.exists():
                 shutil.rmtree(folder)
             os.replace(tmp, folder)
@@ -293,9 +304,51 @@ def build(name: str, folder: str | Path, tokenizer_from: str | Path) -> Path:
     return folder
 
 
-def _complete(folder: Path) -> bool:
+def _complete(folder: Path, fit: bool = False) -> bool:
     try:
         with open(folder / MARKER, encoding="utf-8") as f:
-            return json.load(f).get("zoo_id") == ZOO_ID
+            m = json.load(f)
+            return m.get("zoo_id") == ZOO_ID and bool(m.get("fit")) is fit
+    except (OSError, ValueError):
+        return False
+
+
+def build_w4a16(name: str, folder: str | Path, tokenizer_from: str | Path,
+                only: str | None = None, reference: bool = False) -> Path:
+    """The family `name`'s zoo checkpoint quantized as compressed-tensors W4A16 (int4
+    weights in groups of 32, symmetric; tests/helpers/quant.py) at `folder`: every linear
+    layer but the head, or those matching `only` (Kimi-K2.5 quantizes only the routed
+    experts: only=r"mlp\\.experts\\.\\d+\\."). `reference=True` writes instead the float
+    checkpoint whose weights are exactly the dequantized int4 values."""
+    from filelock import FileLock
+
+    from tests.helpers import quant
+
+    folder = Path(folder)
+    tag = {"zoo_id": ZOO_ID, "family": name, "w4a16": only or "all", "reference": reference}
+    if _tagged(folder, tag):
+        return folder
+    base = build(name, folder.parent / name, tokenizer_from)
+    with FileLock(str(folder) + ".lock"):
+        if _tagged(folder, tag):
+            return folder
+        tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
+        try:
+            (quant.write_dequantized if reference else quant.quantize)(base, tmp, 32, only)
+            with open(tmp / MARKER, "w", encoding="utf-8") as f:
+                json.dump(tag, f)
+            if folder.exists():
+                shutil.rmtree(folder)
+            os.replace(tmp, folder)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _tagged(folder: Path, tag: dict) -> bool:
+    try:
+        with open(folder / MARKER, encoding="utf-8") as f:
+            return json.load(f) == tag
     except (OSError, ValueError):
         return False

@@ -236,31 +236,32 @@ def train_with_architecture(cli, tiny_verifier: Path, tmp_path: Path, arch: str)
 
 
 @pytest.mark.vllm
-def test_a_verifier_vllm_cannot_take_aux_states_from_is_refused_before_prepare(cli, store,
-                                                                               tiny_verifier,
-                                                                               tmp_path):
-    """vLLM's Gemma3ForCausalLM lacks SupportsEagle3: today's vLLM would fail only after its
-    engine started. The architecture name is what vLLM's registry resolves."""
+def test_an_architecture_outside_the_table_vllm_cannot_take_aux_states_from_is_refused(
+        cli, store, tiny_verifier, tmp_path):
+    """vLLM's Gemma2ForCausalLM lacks SupportsEagle3 and eagle3x's family table has no row
+    for it: vLLM's registry is asked before any stage starts (vLLM would fail only after
+    its engine started)."""
     pytest.importorskip("vllm")
-    r = train_with_architecture(cli, tiny_verifier, tmp_path, "Gemma3ForCausalLM")
+    r = train_with_architecture(cli, tiny_verifier, tmp_path, "Gemma2ForCausalLM")
     assert r.returncode == 2, r.stderr[-3000:]
-    assert "Gemma3ForCausalLM" in r.stderr and "SupportsEagle3" in r.stderr
+    assert "Gemma2ForCausalLM" in r.stderr and "SupportsEagle3" in r.stderr
     assert not (store / "prepared").exists()
 
 
 @pytest.mark.vllm
 def test_a_verifier_whose_vllm_module_cannot_be_imported_is_refused_before_prepare(
         cli, store, tiny_verifier, tmp_path):
-    """vLLM registers Qwen2_5_VLForConditionalGeneration, but its module imports
-    transformers' image processor, which imports torchvision (removed by the README's CPU
-    install): vLLM would fail "to be inspected" at engine start."""
+    """vLLM registers Mistral3ForConditionalGeneration (not in eagle3x's family table),
+    but its module imports transformers' image processor, which imports torchvision
+    (removed by the README's CPU install): vLLM would fail "to be inspected" at engine
+    start."""
     pytest.importorskip("vllm")
     import importlib.util
 
     if importlib.util.find_spec("torchvision") is not None:
         pytest.skip("torchvision is installed here: vLLM can import the module")
-    r = train_with_architecture(cli, tiny_verifier, tmp_path, "Qwen2_5_VLForConditionalGeneration")
+    r = train_with_architecture(cli, tiny_verifier, tmp_path, "Mistral3ForConditionalGeneration")
     assert r.returncode == 2, r.stderr[-3000:]
-    assert "vllm.model_executor.models.qwen2_5_vl" in r.stderr and "torchvision" in r.stderr
+    assert "vllm.model_executor.models.mistral3" in r.stderr and "torchvision" in r.stderr
     assert "engine=hf" in r.stderr and "Traceback" not in r.stderr
     assert not (store / "prepared").exists()
