@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from eagle3x.artifacts import Outcome
 from eagle3x.config import preflight
 from eagle3x.config.problems import EXIT_REFUSED, Problem, Refused
-from eagle3x.config.schema import EngineName, Eagle3xConfig, Responses, Stage
+from eagle3x.config.schema import EngineName, Eagle3xConfig, HiddenSource, Responses, Stage
 from eagle3x.plan import RunPlan, resolve
 from eagle3x.stages import evaluate, export, extract, prepare, regenerate, train, vocab
 
@@ -51,6 +51,8 @@ class StageSpec:
     #: when set, the stage runs as part of another command (`before`, `stage=all`) only
     #: if when(settings) holds; asked for by name it always runs
     when: Optional[Callable[[Eagle3xConfig], bool]] = None
+    #: when set, the stage stays out of another command if unless(settings) holds
+    unless: Optional[Callable[[Eagle3xConfig], bool]] = None
 
 
 def _vllm_support(plan: RunPlan) -> List[Problem]:
@@ -82,14 +84,19 @@ STAGES: Tuple[StageSpec, ...] = (
               checks=(preflight.gpus, preflight.devices, preflight.context_length,
                       preflight.prepared_exists, preflight.hidden_writable,
                       preflight.foreign_shards, preflight.extract_workers, preflight.disk,
-                      preflight.engine_memory, preflight.vllm_family)),
+                      preflight.engine_memory, preflight.vllm_family),
+              # hidden=online: training makes the hidden states; extract runs only by name
+              unless=lambda s: s.hidden.source is HiddenSource.online),
     StageSpec("vocab", vocab.run, checks=(preflight.vocab_inputs,)),
-    StageSpec("train", train.run, sections=("train", "trainer", "logger", "extract"),
+    StageSpec("train", train.run, sections=("train", "trainer", "logger", "extract", "engine",
+                                            "hidden"),
               before=("regenerate", "prepare", "extract", "vocab"), precheck=lambda p, s: [
                   Problem("trainer", why) for why in [train.precheck(s.trainer)] if why],
               checks=(preflight.logger_installed, preflight.wandb_credentials,
-                      preflight.trainer_devices, preflight.resume_checkpoint)),
-    StageSpec("eval", evaluate.run, sections=("eval", "train", "extract", "engine"),
+                      preflight.trainer_devices, preflight.resume_checkpoint,
+                      preflight.online_engine, preflight.vllm_family,
+                      preflight.engine_memory)),
+    StageSpec("eval", evaluate.run, sections=("eval", "train", "extract", "engine", "hidden"),
               checks=(preflight.foreign_shards, preflight.live_serving,
                       preflight.engine_memory, preflight.vllm_family),
               precheck=lambda p, s: _vllm_support(p) if s.eval.live else []),
@@ -105,6 +112,8 @@ def stages_for(stage: Stage, settings: Optional[Eagle3xConfig] = None) -> List[S
     """The stages `python -m eagle3x stage=<stage>` runs, in order (a conditional stage
     joins another command only when its `when(settings)` holds)."""
     def joins(s: StageSpec) -> bool:
+        if s.unless is not None and settings is not None and s.unless(settings):
+            return False
         return s.when is None or (settings is not None and s.when(settings))
 
     if stage is Stage.all:

@@ -106,3 +106,14 @@ def test_no_import_runs_back_up_the_layers():
 def test_nothing_under_data_imports_stages():
     for path in (PACKAGE / "data").rglob("*.py"):
         assert "eagle3x.stages" not in path.read_text(), path
+
+
+def test_online_hidden_states_leave_extract_out_unless_it_is_asked_for():
+    from tests.helpers import settings_for
+
+    online = settings_for(["stage=all", "hidden=online"])
+    assert [s.name for s in stages_for(Stage.all, online)] == ["prepare", "vocab", "train", "eval"]
+    assert [s.name for s in stages_for(Stage.train, online)] == ["prepare", "vocab", "train"]
+    assert [s.name for s in stages_for(Stage.extract, online)] == ["extract"]
+    offline = settings_for(["stage=all"])
+    assert "extract" in [s.name for s in stages_for(Stage.all, offline)]

@@ -17,7 +17,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 from eagle3x import artifacts
 from eagle3x.config.problems import Problem
-from eagle3x.config.schema import EngineName, Eagle3xConfig, LoggerName, TrainerConfig
+from eagle3x.config.schema import (EngineName, Eagle3xConfig, HiddenSource, LoggerName,
+                                   TrainerConfig)
 from eagle3x.data.conversations import check_source, count_records
 from eagle3x.plan import PlanError, RunPlan, Resume, read_verifier_info, resolve
 from eagle3x.verifier import VerifierInfo, read_info, verifier_context
@@ -333,7 +334,7 @@ def engine_memory(w: World) -> List[Problem]:
     regenerating = (vllm and "regenerate" in w.runs and w.plan is not None
                     and artifacts.complete_manifest(w.plan.regenerated.folder) is None)
     starts = ((vllm and "extract" in w.runs and extraction_pending(w.plan)) or regenerating
-              or ("eval" in w.runs and w.cfg.eval.live))
+              or ("eval" in w.runs and w.cfg.eval.live) or (vllm and online(w)))
     if not starts:
         return []
     util = w.cfg.engine.gpu_memory_utilization
@@ -388,6 +389,28 @@ def trainer_devices(w: World) -> List[Problem]:
                                 f"shows {gpus} GPU(s).", value=t.devices,
                                 where=_given(w.overrides, "trainer.devices"), hint=f"at most {gpus}, or auto"))
     return problems
+
+
+def online(w: World) -> bool:
+    """hidden=online and this command trains or evaluates: the datamodule opens the engine."""
+    return (w.cfg.hidden.source is HiddenSource.online
+            and bool({"train", "eval"} & set(w.runs)))
+
+
+def online_engine(w: World) -> List[Problem]:
+    """train with hidden=online: one training process owns the engine (several processes
+    would each start a verifier on the same devices)."""
+    if not online(w):
+        return []
+    t = w.cfg.trainer
+    devices = str(t.devices)
+    many = (devices.isdigit() and int(devices) > 1) or devices.startswith("[") or t.num_nodes > 1
+    if many:
+        return [Problem("trainer.devices", "hidden=online trains in one process: each "
+                        "training process would start its own verifier engine on the same "
+                        "devices.", value=devices, where=_given(w.overrides, "trainer.devices"),
+                        hint="trainer.devices=1, or hidden=offline (extract once, then DDP)")]
+    return []
 
 
 def wandb_credentials(w: World) -> List[Problem]:
@@ -447,8 +470,8 @@ def vllm_family(w: World) -> List[Problem]:
     if w.info is None:
         return []
     uses = []
-    if ("extract" in w.runs and w.cfg.engine.name is EngineName.vllm
-            and extraction_pending(w.plan)):
+    if w.cfg.engine.name is EngineName.vllm and (
+            ("extract" in w.runs and extraction_pending(w.plan)) or online(w)):
         uses.append(("engine", "vllm", "engine=hf extracts it (transformers)"))
     if "eval" in w.runs and w.cfg.eval.live:
         uses.append(("eval.live", "true", "drop eval.live (the offline eval still runs)"))

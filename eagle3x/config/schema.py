@@ -60,6 +60,11 @@ class EngineName(Enum):
     hf = "hf"
 
 
+class HiddenSource(Enum):
+    offline = "offline"
+    online = "online"
+
+
 class HiddenDType(Enum):
     bfloat16 = "bfloat16"
     float16 = "float16"
@@ -168,6 +173,19 @@ class EngineConfig:
     quantization: Optional[str] = None
     # hf engine: torch device ("auto" = cuda when visible, else cpu).
     device: str = "auto"
+
+
+@dataclass
+class HiddenConfig:
+    """Where training's hidden states come from (the `hidden` group)."""
+
+    # offline: stage=extract stores them and training reads the shards (one extraction
+    # serves a whole sweep); online: the datamodule's own engine (engine.*) makes each
+    # batch's states while the draft trains, in the run's storage format, and nothing is
+    # stored (no disk, no extraction wait; the verifier runs again for every epoch).
+    source: HiddenSource = HiddenSource.offline
+    # online: batches the engine computes ahead of the trainer (bounds the memory they hold)
+    prefetch: int = at_least(1, 4)
 
 
 @dataclass
@@ -327,6 +345,7 @@ class Eagle3xConfig:
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
     data: DataConfig = field(default_factory=DataConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    hidden: HiddenConfig = field(default_factory=HiddenConfig)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
     extract: ExtractConfig = field(default_factory=ExtractConfig)
@@ -339,7 +358,7 @@ class Eagle3xConfig:
 
 
 #: Config groups whose option is chosen with `group=option` (one YAML file each).
-GROUPS = ("verifier", "data", "engine", "logger", "experiment")
+GROUPS = ("verifier", "data", "engine", "hidden", "logger", "experiment")
 
 #: Names other tools use for keys eagle3x has under another name.
 ALIASES = {

@@ -13,6 +13,7 @@ on any number of processes with the same global batch.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
@@ -38,6 +39,30 @@ class HiddenStateDataset(Dataset):
         s = self.reader[self.indices[i]]
         s["input_ids"] = s["input_ids"].long()
         return s  # aux_hidden and the teacher: last_hidden, or topk_ids + topk_logp
+
+
+class OnlineDataset(Dataset):
+    """The samples `indices` of the prepared data, their hidden states made by
+    `features` (eagle3x.data.online.OnlineFeatures) a batch at a time."""
+
+    def __init__(self, features: Any, indices: Sequence[int]):
+        self.features, self.indices = features, list(indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitems__(self, positions: Sequence[int]) -> List[Dict[str, torch.Tensor]]:
+        out = self.features.samples([self.indices[p] for p in positions])
+        for s in out:
+            s["input_ids"] = s["input_ids"].long()
+        return out
+
+    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
+        return self.__getitems__([i])[0]
+
+    def schedule(self, batches: Sequence[Sequence[int]]) -> None:
+        """Hand the features the batches (dataset positions) that come next."""
+        self.features.schedule([[self.indices[p] for p in b] for b in batches])
 
 
 def collate(samples: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
@@ -112,7 +137,8 @@ class StepBatchSampler:
     """
 
     def __init__(self, n: int, batch_size: int, seed: int, start: Callable[[], int],
-                 rank: int = 0, world: int = 1, accumulate: int = 1, total: int = 10 ** 9):
+                 rank: int = 0, world: int = 1, accumulate: int = 1, total: int = 10 ** 9,
+                 ahead: Optional[Callable[[List[List[int]]], None]] = None, ahead_n: int = 0):
         if world * accumulate == 1:
             batch_size = min(batch_size, n)  # a batch larger than the data: all of it
         elif batch_size * world * accumulate > n:
@@ -126,6 +152,8 @@ class StepBatchSampler:
         self.rank, self.world, self.accumulate, self.total = rank, world, accumulate, total
         self.global_batch = batch_size * world * accumulate
         self.per_epoch = max(n // self.global_batch, 1)
+        #: told the `ahead_n` batches after each one handed out (online hidden states)
+        self.ahead, self.ahead_n = ahead, ahead_n
 
     def batch(self, micro: int) -> List[int]:
         step, i = divmod(micro, self.accumulate)
@@ -137,6 +165,9 @@ class StepBatchSampler:
     def __iter__(self) -> Iterator[List[int]]:
         m = self.start()
         while m < self.total:
+            if self.ahead is not None:
+                self.ahead([self.batch(j) for j in range(m, min(m + 1 + self.ahead_n,
+                                                               self.total))])
             yield self.batch(m)
             m += 1
 
@@ -154,10 +185,13 @@ class HiddenStateDataModule(L.LightningDataModule):
 
     def __init__(self, hidden_dir: str | Path, split: Split, *, batch_size: int, seed: int = 0,
                  num_workers: int = 0, verify: str = "size", pack: bool = True,
-                 source: Optional[HiddenStates] = None):
+                 source: Optional[HiddenStates] = None,
+                 online: Optional[Callable[[], Any]] = None):
         super().__init__()
         self.pack = pack
         self.hidden_dir, self.split, self.source = Path(hidden_dir), split, source
+        #: hidden=online: makes the OnlineFeatures (engine opened) at setup; nothing stored
+        self.online, self.features = online, None
         self.batch_size, self.seed, self.num_workers, self.verify = (
             batch_size, seed, num_workers, verify)
         self.train_set: Optional[HiddenStateDataset] = None
@@ -165,21 +199,40 @@ class HiddenStateDataModule(L.LightningDataModule):
 
     @classmethod
     def from_plan(cls, plan: RunPlan, train: TrainConfig, extract: ExtractConfig,
-                  engine: Optional[EngineConfig] = None) -> "HiddenStateDataModule":
+                  engine: Optional[EngineConfig] = None, online: bool = False,
+                  prefetch: int = 4) -> "HiddenStateDataModule":
         """The plan's hidden states with the training settings; given an engine, it builds
-        missing prepared data and hidden states in ``prepare_data()``."""
+        missing prepared data and hidden states in ``prepare_data()``. `online`: the engine
+        makes them batch by batch while training (`prefetch` batches ahead), none stored."""
         source = HiddenStates(plan, extract, engine) if engine is not None else None
+        make = None
+        if online:
+            if source is None:
+                raise ValueError("online hidden states need an engine")
+            make = functools.partial(online_features, plan, source, prefetch)
         return cls(plan.hidden.folder, plan.split, batch_size=train.batch_size, seed=train.seed,
                    num_workers=train.num_workers, verify=extract.verify.value,
-                   pack=train.pack, source=source)
+                   pack=train.pack, source=source, online=make)
 
     def prepare_data(self) -> None:
-        """Make prepared data and hidden states when a source was handed over."""
-        if self.source is not None:
+        """Make prepared data and hidden states when a source was handed over (online:
+        the prepared data only)."""
+        if self.online is not None:
+            from eagle3x.data import prepared
+
+            prepared.build(self.source.plan)
+        elif self.source is not None:
             self.source.make()
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self.train_set is not None:
+            return
+        if self.online is not None:
+            self.features = self.online()
+            n = self.split.extract_until(self.features.data["n"])
+            hold, end = self.split.bounds(n)
+            self.val_set = OnlineDataset(self.features, range(0, hold))
+            self.train_set = OnlineDataset(self.features, range(hold, end))
             return
         reader = ShardReader(self.hidden_dir, verify=self.verify,
                              repair_hint="python -m eagle3x stage=extract extract.verify=sha256")
@@ -187,9 +240,18 @@ class HiddenStateDataModule(L.LightningDataModule):
         self.val_set = HiddenStateDataset(reader, range(0, hold))
         self.train_set = HiddenStateDataset(reader, range(hold, end))
 
+    def teardown(self, stage: Optional[str] = None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the online engine (nothing to do offline)."""
+        if self.features is not None:
+            self.features.close()
+
     def mean_tokens_per_batch(self) -> float:
         """Average real tokens in a training batch (for throughput figures)."""
-        lengths = [self.train_set.reader.length(i) for i in self.train_set.indices]
+        source = self.features if self.features is not None else self.train_set.reader
+        lengths = [source.length(i) for i in self.train_set.indices]
         return sum(lengths) / max(len(lengths), 1) * min(self.batch_size, len(lengths))
 
     def train_dataloader(self) -> DataLoader:
@@ -199,7 +261,9 @@ class HiddenStateDataModule(L.LightningDataModule):
             len(self.train_set), self.batch_size, self.seed,
             start=lambda: (trainer.global_step * accumulate) if trainer else 0,
             rank=trainer.global_rank if trainer else 0, world=trainer.world_size if trainer else 1,
-            accumulate=accumulate)
+            accumulate=accumulate,
+            ahead=self.train_set.schedule if self.features is not None else None,
+            ahead_n=self.features.prefetch if self.features is not None else 0)
         return DataLoader(self.train_set, batch_sampler=sampler,
                           collate_fn=collate_packed if self.pack else collate,
                           num_workers=self.num_workers)
@@ -213,10 +277,30 @@ class HiddenStateDataModule(L.LightningDataModule):
                        else (0, 1))
         data = self.val_set
         if self.val_sharded():
-            data = HiddenStateDataset(self.val_set.reader, self.val_set.indices[rank::world])
+            mine = self.val_set.indices[rank::world]
+            data = (OnlineDataset(self.features, mine) if self.features is not None
+                    else HiddenStateDataset(self.val_set.reader, mine))
         return DataLoader(data, batch_size=self.batch_size, collate_fn=collate,
                           num_workers=self.num_workers)
 
     def val_sharded(self) -> bool:
         world = self.trainer.world_size if self.trainer else 1
         return world > 1 and self.val_set is not None and len(self.val_set) >= world
+
+
+def online_features(plan: RunPlan, source: HiddenStates, prefetch: int) -> Any:
+    """OnlineFeatures for the plan: its prepared data, the configured engine (opened
+    now, in this thread), the run's storage format and dtype, the top-k head if needed."""
+    from eagle3x.data import prepared
+    from eagle3x.data.extraction import _teacher_head
+    from eagle3x.data.online import OnlineFeatures
+    from eagle3x.engines.base import open_engine
+    from eagle3x.weights import torch_dtype
+
+    data = prepared.load(plan.prepared.folder)
+    head = _teacher_head(plan)
+    return OnlineFeatures(
+        data, lambda: open_engine(source.engine, plan.verifier, plan.aux_layer_ids,
+                                  source.extract.max_seq_len, plan.run_dir / "online-scratch"),
+        dict(plan.hidden_format), torch_dtype(source.extract.dtype.value),
+        head.get if head is not None else None, prefetch)

@@ -23,7 +23,8 @@ from typing import Any, Dict, List
 
 from eagle3x import artifacts
 from eagle3x.artifacts import Outcome
-from eagle3x.config.schema import EngineConfig, EvalConfig, ExtractConfig, TrainConfig
+from eagle3x.config.schema import (EngineConfig, EvalConfig, ExtractConfig, HiddenConfig,
+                                   HiddenSource, TrainConfig)
 from eagle3x.plan import RunPlan
 
 log = logging.getLogger("eagle3x")
@@ -146,7 +147,7 @@ def live(plan: RunPlan, settings: EvalConfig, extract: ExtractConfig, engine: En
 
 
 def run(plan: RunPlan, eval: EvalConfig, train: TrainConfig, extract: ExtractConfig,
-        engine: EngineConfig) -> Outcome:
+        engine: EngineConfig, hidden: HiddenConfig = HiddenConfig()) -> Outcome:
     from eagle3x.data.datamodule import HiddenStateDataModule
     from eagle3x.draft.save import load
     from eagle3x.weights import EMBED_NAMES, find_tensor, verifier_head
@@ -158,10 +159,16 @@ def run(plan: RunPlan, eval: EvalConfig, train: TrainConfig, extract: ExtractCon
     vpath = plan.verifier.path
     draft = load(draft_dir, find_tensor(vpath, EMBED_NAMES).float())
     head = verifier_head(vpath, plan.verifier.tied_head).float()
-    dm = HiddenStateDataModule.from_plan(plan, train, extract)
+    online = hidden.source is HiddenSource.online
+    dm = HiddenStateDataModule.from_plan(plan, train, extract, engine if online else None,
+                                         online=online, prefetch=hidden.prefetch)
     dm.setup()
-    report = evaluate(draft, head, dm.val_dataloader(), eval.depth, eval.max_samples)
+    try:
+        report = evaluate(draft, head, dm.val_dataloader(), eval.depth, eval.max_samples)
+    finally:
+        dm.close()  # the online engine, before vLLM serves the draft
     report["draft"] = str(draft_dir)
+    report["hidden"] = hidden.source.value
     out.mkdir(parents=True, exist_ok=True)
     if eval.live:
         report["live"] = live(plan, eval, extract, engine, draft_dir, draft, head)

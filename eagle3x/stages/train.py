@@ -17,8 +17,8 @@ from typing import Any, Dict, Optional
 
 from eagle3x import artifacts, console, distributed
 from eagle3x.artifacts import Outcome
-from eagle3x.config.schema import (ExtractConfig, LoggerConfig, LoggerName, TrainConfig,
-                                   TrainerConfig)
+from eagle3x.config.schema import (EngineConfig, ExtractConfig, HiddenConfig, HiddenSource,
+                                   LoggerConfig, LoggerName, TrainConfig, TrainerConfig)
 from eagle3x.plan import RunPlan, VerifierRef
 
 log = logging.getLogger("eagle3x")
@@ -108,7 +108,8 @@ def precheck(trainer: TrainerConfig) -> Optional[str]:
 
 
 def run(plan: RunPlan, train: TrainConfig, trainer: TrainerConfig, logger: LoggerConfig,
-        extract: ExtractConfig) -> Outcome:
+        extract: ExtractConfig, engine: Optional[EngineConfig] = None,
+        hidden: HiddenConfig = HiddenConfig()) -> Outcome:
     import lightning as L
 
     from eagle3x.data.datamodule import HiddenStateDataModule
@@ -119,16 +120,21 @@ def run(plan: RunPlan, train: TrainConfig, trainer: TrainerConfig, logger: Logge
     out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(train.seed, workers=True, verbose=False)
     module = build_module(plan, train, trainer.max_steps)
-    dm = HiddenStateDataModule.from_plan(plan, train, extract)
+    online = hidden.source is HiddenSource.online
+    dm = HiddenStateDataModule.from_plan(plan, train, extract, engine if online else None,
+                                         online=online, prefetch=hidden.prefetch)
     exp_logger = make_logger(logger, out, plan.config)
     fitter = make_trainer(trainer, out, exp_logger)
     ckpt = plan.resume.training_checkpoint(out)
     if ckpt is not None and plan.resume.mode == "auto":
         log.info("resuming from %s", ckpt)
     t0 = time.perf_counter()
-    with distributed.fit_scope():
-        fitter.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None,
-                   weights_only=True)
+    try:
+        with distributed.fit_scope():
+            fitter.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None,
+                       weights_only=True)
+    finally:
+        dm.close()
     wall = time.perf_counter() - t0
     if fitter.interrupted:
         raise SystemExit(130)
@@ -143,8 +149,22 @@ def run(plan: RunPlan, train: TrainConfig, trainer: TrainerConfig, logger: Logge
     summary = {"stage": "train", "steps": fitter.global_step, "train_seconds": wall,
                "train_tokens_per_step": dm.mean_tokens_per_batch(),
                "train_samples": len(dm.train_set), "val_samples": len(dm.val_set),
-               "metrics": metrics, "draft": str(draft_dir), "hidden": str(plan.hidden.folder),
+               "metrics": metrics, "draft": str(draft_dir),
+               "hidden": "online" if online else str(plan.hidden.folder),
                "vocab": str(plan.vocab.folder)}
+    if dm.features is not None:  # how long the trainer waited for the online engine
+        st = dm.features.stats()
+        summary.update(hidden_wait_seconds=round(st["wait_s"], 3),
+                       hidden_wait_fraction=round(st["wait_s"] / max(wall, 1e-9), 4),
+                       hidden_engine_seconds=round(st["compute_s"], 3),
+                       hidden_engine_start_seconds=round(st["engine_load_s"], 3))
+        if exp_logger and logger.name is LoggerName.wandb:
+            exp_logger.experiment.summary.update(
+                {"hidden/wait_fraction": summary["hidden_wait_fraction"],
+                 "hidden/wait_seconds": summary["hidden_wait_seconds"]})
+        log.info("online hidden states: the trainer waited %.1fs of %.1fs (%.0f%%) for the "
+                 "engine (%.1fs computing, %.1fs to start)", st["wait_s"], wall,
+                 100 * st["wait_s"] / max(wall, 1e-9), st["compute_s"], st["engine_load_s"])
     if exp_logger and logger.name is LoggerName.wandb:
         summary["wandb_run_id"] = exp_logger.experiment.id
     artifacts.write_json_atomic(out / "train_summary.json", summary)
