@@ -19,11 +19,18 @@ from pathlib import Path
 from typing import IO, Iterator, List, Optional, Tuple
 
 _console: Optional[IO[str]] = None
+_stdout: Optional[IO[str]] = None
 
 
 def stream() -> IO[str]:
     """Where progress bars go: the console while `quiet` holds, else stderr."""
     return _console if _console is not None else sys.stderr
+
+
+def stdout() -> IO[str]:
+    """The command's own standard output (what a caller reads, e.g. stage=serve's URL),
+    also while `quiet` sends the libraries' output to the log file."""
+    return _stdout if _stdout is not None else sys.stdout
 
 
 def is_terminal() -> bool:
@@ -49,7 +56,7 @@ def job_log_file() -> Optional[Path]:
 @contextlib.contextmanager
 def quiet(log_file: Optional[Path]) -> Iterator[None]:
     """Libraries' output to `log_file` for the duration (no-op when it is None)."""
-    global _console
+    global _console, _stdout
     if log_file is None or _console is not None:
         yield
         return
@@ -69,11 +76,11 @@ def quiet(log_file: Optional[Path]) -> Iterator[None]:
     logging.captureWarnings(True)
     os.dup2(target, 1)
     os.dup2(target, 2)
-    _console = err
+    _console, _stdout = err, out
     try:
         yield
     finally:
-        _console = None
+        _console = _stdout = None
         for f in (sys.stdout, sys.stderr, out, err):
             with contextlib.suppress(Exception):
                 f.flush()

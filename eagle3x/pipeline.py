@@ -27,7 +27,7 @@ from eagle3x.config import preflight
 from eagle3x.config.problems import EXIT_REFUSED, Problem, Refused
 from eagle3x.config.schema import EngineName, Eagle3xConfig, HiddenSource, Responses, Stage
 from eagle3x.plan import RunPlan, resolve
-from eagle3x.stages import evaluate, export, extract, prepare, regenerate, train, vocab
+from eagle3x.stages import evaluate, export, extract, prepare, regenerate, serve, train, vocab
 
 log = logging.getLogger("eagle3x")
 
@@ -85,8 +85,8 @@ STAGES: Tuple[StageSpec, ...] = (
                       preflight.prepared_exists, preflight.hidden_writable,
                       preflight.foreign_shards, preflight.extract_workers, preflight.disk,
                       preflight.engine_memory, preflight.vllm_family),
-              # hidden=online: training makes the hidden states; extract runs only by name
-              unless=lambda s: s.hidden.source is HiddenSource.online),
+              # hidden=online|server: training gets the hidden states; extract runs only by name
+              unless=lambda s: s.hidden.source is not HiddenSource.offline),
     StageSpec("vocab", vocab.run, checks=(preflight.vocab_inputs,)),
     StageSpec("train", train.run, sections=("train", "trainer", "logger", "extract", "engine",
                                             "hidden"),
@@ -95,13 +95,17 @@ STAGES: Tuple[StageSpec, ...] = (
               checks=(preflight.logger_installed, preflight.wandb_credentials,
                       preflight.trainer_devices, preflight.resume_checkpoint,
                       preflight.online_engine, preflight.vllm_family,
-                      preflight.engine_memory)),
+                      preflight.engine_memory, preflight.hidden_servers)),
     StageSpec("eval", evaluate.run, sections=("eval", "train", "extract", "engine", "hidden"),
               checks=(preflight.foreign_shards, preflight.live_serving,
-                      preflight.engine_memory, preflight.vllm_family),
+                      preflight.engine_memory, preflight.vllm_family,
+                      preflight.hidden_servers),
               precheck=lambda p, s: _vllm_support(p) if s.eval.live else []),
     StageSpec("export", export.run, sections=("train", "trainer"), before=("vocab",),
               in_all=False),
+    StageSpec("serve", serve.run, sections=("serve", "engine", "extract", "hidden"),
+              in_all=False, checks=(preflight.serve_settings, preflight.gpus,
+                                    preflight.engine_memory, preflight.vllm_family)),
 )
 BY_NAME: Dict[str, StageSpec] = {s.name: s for s in STAGES}
 #: The stages whose runs write a summary.json into the run folder.

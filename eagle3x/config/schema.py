@@ -52,6 +52,7 @@ class Stage(Enum):
     train = "train"
     eval = "eval"
     export = "export"
+    serve = "serve"
     all = "all"
 
 
@@ -63,6 +64,7 @@ class EngineName(Enum):
 class HiddenSource(Enum):
     offline = "offline"
     online = "online"
+    server = "server"
 
 
 class HiddenDType(Enum):
@@ -183,9 +185,24 @@ class HiddenConfig:
     # serves a whole sweep); online: the datamodule's own engine (engine.*) makes each
     # batch's states while the draft trains, in the run's storage format, and nothing is
     # stored (no disk, no extraction wait; the verifier runs again for every epoch).
+    # server: running `python -m eagle3x stage=serve` processes (`urls`) make them, on
+    # other GPUs or nodes, into `shared_dir`; nothing is kept.
     source: HiddenSource = HiddenSource.offline
-    # online: batches the engine computes ahead of the trainer (bounds the memory they hold)
+    # online / server: batches made ahead of the trainer (bounds the memory they hold)
     prefetch: int = at_least(1, 4)
+    # server: the servers' base URLs, e.g. [http://gpu-node-1:8000]
+    urls: List[str] = field(default_factory=list)
+    # server and stage=serve: a folder the servers write into and the trainer reads, at
+    # the same path on both (a shared filesystem)
+    shared_dir: Optional[str] = None
+
+
+@dataclass
+class ServeConfig:
+    """stage=serve: where the hidden-state server listens."""
+
+    host: str = "127.0.0.1"
+    port: int = checked(8000, lambda v: 0 < v < 65536, "must be a TCP port (1..65535)")
 
 
 @dataclass
@@ -346,6 +363,7 @@ class Eagle3xConfig:
     data: DataConfig = field(default_factory=DataConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     hidden: HiddenConfig = field(default_factory=HiddenConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
     extract: ExtractConfig = field(default_factory=ExtractConfig)

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from eagle3x.config.schema import EngineConfig, ExtractConfig, TrainConfig
+from eagle3x.config.schema import (EngineConfig, ExtractConfig, HiddenConfig, HiddenSource,
+                                   TrainConfig)
 from eagle3x.data.extraction import HiddenStates
 from eagle3x.data.shards import ShardReader
 from eagle3x.plan import RunPlan, Split
@@ -199,17 +200,17 @@ class HiddenStateDataModule(L.LightningDataModule):
 
     @classmethod
     def from_plan(cls, plan: RunPlan, train: TrainConfig, extract: ExtractConfig,
-                  engine: Optional[EngineConfig] = None, online: bool = False,
-                  prefetch: int = 4) -> "HiddenStateDataModule":
+                  engine: Optional[EngineConfig] = None,
+                  hidden: Optional[HiddenConfig] = None) -> "HiddenStateDataModule":
         """The plan's hidden states with the training settings; given an engine, it builds
-        missing prepared data and hidden states in ``prepare_data()``. `online`: the engine
-        makes them batch by batch while training (`prefetch` batches ahead), none stored."""
-        source = HiddenStates(plan, extract, engine) if engine is not None else None
+        missing prepared data and hidden states in ``prepare_data()``. With `hidden`
+        online or server, they are made batch by batch while training
+        (`hidden.prefetch` batches ahead) by the engine or the servers; none stored."""
+        source = HiddenStates(plan, extract, engine or EngineConfig()) if (
+            engine is not None or hidden is not None) else None
         make = None
-        if online:
-            if source is None:
-                raise ValueError("online hidden states need an engine")
-            make = functools.partial(online_features, plan, source, prefetch)
+        if hidden is not None and hidden.source is not HiddenSource.offline:
+            make = functools.partial(online_features, plan, source, hidden)
         return cls(plan.hidden.folder, plan.split, batch_size=train.batch_size, seed=train.seed,
                    num_workers=train.num_workers, verify=extract.verify.value,
                    pack=train.pack, source=source, online=make)
@@ -288,19 +289,27 @@ class HiddenStateDataModule(L.LightningDataModule):
         return world > 1 and self.val_set is not None and len(self.val_set) >= world
 
 
-def online_features(plan: RunPlan, source: HiddenStates, prefetch: int) -> Any:
+def online_features(plan: RunPlan, source: HiddenStates, hidden: HiddenConfig) -> Any:
     """OnlineFeatures for the plan: its prepared data, the configured engine (opened
-    now, in this thread), the run's storage format and dtype, the top-k head if needed."""
+    now, in this thread) or the hidden-state servers, the run's storage format and dtype,
+    the top-k head if needed."""
     from eagle3x.data import prepared
     from eagle3x.data.extraction import _teacher_head
     from eagle3x.data.online import OnlineFeatures
     from eagle3x.engines.base import open_engine
-    from eagle3x.weights import torch_dtype
+    from eagle3x.weights import FINAL_NORM_NAMES, find_tensor, torch_dtype
+
+    def engine() -> Any:
+        if hidden.source is HiddenSource.server:
+            from eagle3x.engines.server import ServerEngine
+
+            return ServerEngine(hidden.urls, find_tensor(plan.verifier.path, FINAL_NORM_NAMES),
+                                plan.verifier.rms_norm_eps, len(plan.aux_layer_ids))
+        return open_engine(source.engine, plan.verifier, plan.aux_layer_ids,
+                           source.extract.max_seq_len, plan.run_dir / "online-scratch")
 
     data = prepared.load(plan.prepared.folder)
     head = _teacher_head(plan)
-    return OnlineFeatures(
-        data, lambda: open_engine(source.engine, plan.verifier, plan.aux_layer_ids,
-                                  source.extract.max_seq_len, plan.run_dir / "online-scratch"),
-        dict(plan.hidden_format), torch_dtype(source.extract.dtype.value),
-        head.get if head is not None else None, prefetch)
+    return OnlineFeatures(data, engine, dict(plan.hidden_format),
+                          torch_dtype(source.extract.dtype.value),
+                          head.get if head is not None else None, hidden.prefetch)

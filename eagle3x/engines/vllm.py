@@ -122,6 +122,28 @@ def engine_kwargs(verifier: Path, aux_ids: Sequence[int], num_layers: int, max_s
     return {k: v for k, v in kw.items() if v is not None}
 
 
+def hidden_from_capture(path: str, ids: Sequence[int], n_aux: int, norm_weight: torch.Tensor,
+                        eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(aux, last) from the file vLLM's connector wrote for one request, which is deleted:
+    the aux layers side by side, and the final layer through the verifier's final norm."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        load_hidden_states,
+    )
+
+    data = load_hidden_states(path)
+    for f in (path, path + ".lock"):
+        if os.path.exists(f):
+            os.remove(f)
+    hs = data["hidden_states"]  # [T, n_aux + 1, H]
+    if data["token_ids"].tolist() != list(map(int, ids)):
+        raise RuntimeError(f"vLLM returned hidden states for other tokens ({path})")
+    t, _, h = hs.shape
+    aux = hs[:, :n_aux].reshape(t, n_aux * h)
+    # The final norm in float32 (normalise and scale), stored in vLLM's dtype.
+    last = rms_norm(hs[:, n_aux].float(), norm_weight.float(), eps).to(hs.dtype)
+    return aux, last
+
+
 class VLLMEngine:
     def __init__(self, verifier: Path, aux_ids: Sequence[int], num_layers: int, rms_eps: float,
                  max_seq_len: int, settings: Dict[str, Any], scratch_parent: Path):
@@ -137,31 +159,14 @@ class VLLMEngine:
 
     def extract(self, batch: Sequence[Sequence[int]]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         from vllm import SamplingParams
-        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-            load_hidden_states,
-        )
         from vllm.inputs import TokensPrompt
 
         prompts = [TokensPrompt(prompt_token_ids=list(map(int, x))) for x in batch]
         outs = self.llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0),
                                  use_tqdm=False)
-        results = []
-        for x, out in zip(batch, outs):
-            path = out.kv_transfer_params["hidden_states_path"]
-            data = load_hidden_states(path)
-            for f in (path, path + ".lock"):
-                if os.path.exists(f):
-                    os.remove(f)
-            hs = data["hidden_states"]  # [T, n_aux + 1, H]
-            if data["token_ids"].tolist() != list(map(int, x)):
-                raise RuntimeError(f"vLLM returned hidden states for other tokens ({path})")
-            t, _, h = hs.shape
-            aux = hs[:, : self.n_aux].reshape(t, self.n_aux * h)
-            # The final norm in float32 (normalise and scale), stored in vLLM's dtype.
-            last = rms_norm(hs[:, self.n_aux].float(), self.norm_weight.float(),
-                            self.eps).to(hs.dtype)
-            results.append((aux, last))
-        return results
+        return [hidden_from_capture(out.kv_transfer_params["hidden_states_path"], x,
+                                    self.n_aux, self.norm_weight, self.eps)
+                for x, out in zip(batch, outs)]
 
     def close(self) -> None:
         from eagle3x.engines.base import shutdown_llm

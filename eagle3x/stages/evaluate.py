@@ -159,9 +159,9 @@ def run(plan: RunPlan, eval: EvalConfig, train: TrainConfig, extract: ExtractCon
     vpath = plan.verifier.path
     draft = load(draft_dir, find_tensor(vpath, EMBED_NAMES).float())
     head = verifier_head(vpath, plan.verifier.tied_head).float()
-    online = hidden.source is HiddenSource.online
+    online = hidden.source is not HiddenSource.offline
     dm = HiddenStateDataModule.from_plan(plan, train, extract, engine if online else None,
-                                         online=online, prefetch=hidden.prefetch)
+                                         hidden if online else None)
     dm.setup()
     try:
         report = evaluate(draft, head, dm.val_dataloader(), eval.depth, eval.max_samples)

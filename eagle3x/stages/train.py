@@ -120,9 +120,9 @@ def run(plan: RunPlan, train: TrainConfig, trainer: TrainerConfig, logger: Logge
     out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(train.seed, workers=True, verbose=False)
     module = build_module(plan, train, trainer.max_steps)
-    online = hidden.source is HiddenSource.online
+    online = hidden.source is not HiddenSource.offline
     dm = HiddenStateDataModule.from_plan(plan, train, extract, engine if online else None,
-                                         online=online, prefetch=hidden.prefetch)
+                                         hidden if online else None)
     exp_logger = make_logger(logger, out, plan.config)
     fitter = make_trainer(trainer, out, exp_logger)
     ckpt = plan.resume.training_checkpoint(out)
@@ -150,7 +150,7 @@ def run(plan: RunPlan, train: TrainConfig, trainer: TrainerConfig, logger: Logge
                "train_tokens_per_step": dm.mean_tokens_per_batch(),
                "train_samples": len(dm.train_set), "val_samples": len(dm.val_set),
                "metrics": metrics, "draft": str(draft_dir),
-               "hidden": "online" if online else str(plan.hidden.folder),
+               "hidden": hidden.source.value if online else str(plan.hidden.folder),
                "vocab": str(plan.vocab.folder)}
     if dm.features is not None:  # how long the trainer waited for the online engine
         st = dm.features.stats()

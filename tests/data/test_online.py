@@ -11,6 +11,7 @@ from itertools import islice
 import pytest
 import torch
 
+from eagle3x.config.schema import HiddenSource
 from eagle3x.data.datamodule import HiddenStateDataModule
 from eagle3x.plan import resolve
 from tests.helpers import settings_for
@@ -28,8 +29,8 @@ def datamodules(cli, store, *overrides: str):
     s = settings_for(["stage=train", *common])
     plan = resolve(s)
     off = HiddenStateDataModule.from_plan(plan, s.train, s.extract)
-    on = HiddenStateDataModule.from_plan(plan, s.train, s.extract, s.engine, online=True,
-                                         prefetch=3)
+    s.hidden.source, s.hidden.prefetch = HiddenSource.online, 3
+    on = HiddenStateDataModule.from_plan(plan, s.train, s.extract, s.engine, s.hidden)
     for dm in (off, on):
         dm.setup()
     return off, on
