@@ -271,70 +271,37 @@ def build(name: str, folder: str | Path, tokenizer_from: str | Path, fit: bool =
     """
     if name not in FAMILIES:
         raise KeyError(f"unknown zoo family {name!r}; known: {list(FAMILIES)}")
-    folder = Path(folder)
-    if _complete(folder, fit):
+
+    def make(tmp: Path) -> None:
+        try:
+            _make(name, tmp, Path(tokenizer_from), fit)
+        except ZooBuildError:
+            raise
+        except Exception as exc:  # the installed transformers cannot build it
+            import transformers
+
+            raise ZooBuildError(
+                f"zoo family {name!r} cannot be built with transformers "
+                f"{transformers.__version__}: {type(exc).__name__}: {exc}") from exc
+
+    return _publish(Path(folder), {"zoo_id": ZOO_ID, "family": name, "fit": fit}, make)
+
+
+def _publish(folder: Path, tag: dict, make: Callable[[Path], None]) -> Path:
+    """`folder`, made by make(tmp) in a temporary folder beside it and renamed, under a
+    file lock, unless a folder with the same marker `tag` is already there."""
+    if _tagged(folder, tag):
         return folder
     from filelock import FileLock
 
     folder.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(folder) + ".lock"):
-        if _complete(folder, fit):
+        if _tagged(folder, tag):
             return folder
         tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
         os.chmod(tmp, 0o755)
         try:
-            try:
-                _make(name, tmp, Path(tokenizer_from), fit)
-            except ZooBuildError:
-                raise
-            except Exception as exc:  # the installed transformers cannot build it
-                import transformers
-
-                raise ZooBuildError(
-                    f"zoo family {name!r} cannot be built with transformers "
-                    f"{transformers.__version__}: {type(exc).__name__}: {exc}") from exc
-            with open(tmp / MARKER, "w", encoding="utf-8") as f:
-                json.dump({"zoo_id": ZOO_ID, "family": name, "fit": fit}, f)
-            if folder.exists():
-                shutil.rmtree(folder)
-            os.replace(tmp, folder)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-    return folder
-
-
-def _complete(folder: Path, fit: bool = False) -> bool:
-    try:
-        with open(folder / MARKER, encoding="utf-8") as f:
-            m = json.load(f)
-            return m.get("zoo_id") == ZOO_ID and bool(m.get("fit")) is fit
-    except (OSError, ValueError):
-        return False
-
-
-def build_w4a16(name: str, folder: str | Path, tokenizer_from: str | Path,
-                only: str | None = None, reference: bool = False) -> Path:
-    """The family `name`'s zoo checkpoint quantized as compressed-tensors W4A16 (int4
-    weights in groups of 32, symmetric; tests/helpers/quant.py) at `folder`: every linear
-    layer but the head, or those matching `only` (Kimi-K2.5 quantizes only the routed
-    experts: only=r"mlp\\.experts\\.\\d+\\."). `reference=True` writes instead the float
-    checkpoint whose weights are exactly the dequantized int4 values."""
-    from filelock import FileLock
-
-    from tests.helpers import quant
-
-    folder = Path(folder)
-    tag = {"zoo_id": ZOO_ID, "family": name, "w4a16": only or "all", "reference": reference}
-    if _tagged(folder, tag):
-        return folder
-    base = build(name, folder.parent / name, tokenizer_from)
-    with FileLock(str(folder) + ".lock"):
-        if _tagged(folder, tag):
-            return folder
-        tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
-        try:
-            (quant.write_dequantized if reference else quant.quantize)(base, tmp, 32, only)
+            make(tmp)
             with open(tmp / MARKER, "w", encoding="utf-8") as f:
                 json.dump(tag, f)
             if folder.exists():
@@ -344,6 +311,22 @@ def build_w4a16(name: str, folder: str | Path, tokenizer_from: str | Path,
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def build_w4a16(name: str, folder: str | Path, tokenizer_from: str | Path,
+                only: str | None = None, reference: bool = False) -> Path:
+    """The family `name`'s zoo checkpoint quantized as compressed-tensors W4A16 (int4
+    weights in groups of 32, symmetric; tests/helpers/quant.py) at `folder`: every linear
+    layer but the head, or those matching `only` (Kimi-K2.5 quantizes only the routed
+    experts: only=r"mlp\\.experts\\.\\d+\\."). `reference=True` writes instead the float
+    checkpoint whose weights are exactly the dequantized int4 values."""
+    from tests.helpers import quant
+
+    folder = Path(folder)
+    tag = {"zoo_id": ZOO_ID, "family": name, "w4a16": only or "all", "reference": reference}
+    base = build(name, folder.parent / name, tokenizer_from)
+    write = quant.write_dequantized if reference else quant.quantize
+    return _publish(folder, tag, lambda tmp: write(base, tmp, 32, only))
 
 
 def _tagged(folder: Path, tag: dict) -> bool:

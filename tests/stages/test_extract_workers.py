@@ -28,6 +28,15 @@ TOTAL = 96
 PARTS = part_ranges(0, TOTAL, 2)
 
 
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    """Every extraction here (reference, workers, their joblib children) computes in one
+    thread: joblib's loky workers limit themselves to one on a 2-core machine, and float32
+    results compared bit for bit must come from the same arithmetic (a reduction split
+    over two threads can round differently)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
 def extract_cmd(out: Path, *extra: str) -> list:
     return [sys.executable, "-m", "eagle3x", "stage=extract", "engine=hf", "extract.batch_size=1",
             "extract.shard_tokens=800", "extract.dtype=float32", "data.num_samples=64", f"extract.output_dir={out}",
