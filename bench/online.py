@@ -1,6 +1,6 @@
 """Where hidden states come from, side by side: offline, online, server.
 
-    python bench/online.py [--steps 150] [--samples 288] [--engine vllm]
+    python bench/online.py [--steps 150] [--samples 288] [--engine vllm] [--long 12]
 
 On the embedded default (the tiny verifier, the bundled conversations), each mode in a
 fresh artifact store, the same training settings:
@@ -13,6 +13,10 @@ Prints per mode: wall time of the training command(s), the time before training 
 (wall minus the train stage's own seconds, engine start included), the engine's start,
 the trainer's wait for batches (seconds and share of training), and the bytes written to
 the artifact store and the shared folder. Recorded in bench/RESULTS.md.
+
+`--long K`: the longer-sequence case. Each conversation is K consecutive bundled ones
+joined into one multi-turn conversation (the next K, cyclically, for the next sample), so
+samples are about K times longer (extract.max_seq_len=2048).
 """
 
 from __future__ import annotations
@@ -32,6 +36,20 @@ def du(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
 
 
+def long_conversations(k: int, out: Path) -> Path:
+    """The bundled conversations, K consecutive ones joined (system prompts dropped)."""
+    from eagle3x.resources import __file__ as res
+
+    convs = [json.loads(x) for x in (Path(res).parent / "sample_conversations.jsonl")
+             .read_text().splitlines() if x.strip()]
+    with out.open("w") as f:
+        for j in range(len(convs)):
+            msgs = [m for c in (convs[(j + i) % len(convs)] for i in range(k))
+                    for m in c["messages"] if m["role"] != "system"]
+            f.write(json.dumps({"id": f"long-{j:04d}", "messages": msgs}) + "\n")
+    return out
+
+
 def run(args: list, env: dict, cwd: Path) -> float:
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "eagle3x", *args], env=env, cwd=cwd,
@@ -46,10 +64,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--samples", type=int, default=288)
     p.add_argument("--engine", default="vllm")
+    p.add_argument("--long", type=int, default=0)
     a = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="eagle3x-online-"))
     common = [f"engine={a.engine}", "logger=none", f"trainer.max_steps={a.steps}",
               f"data.num_samples={a.samples}"]
+    if a.long:
+        data = long_conversations(a.long, root / "long.jsonl")
+        common += [f"data.path={data}", "extract.max_seq_len=2048"]
     rows = {}
     for mode in ("offline", "online", "server"):
         store, run_dir = root / mode / "store", root / mode / "run"
@@ -73,7 +95,11 @@ def main() -> None:
                 [sys.executable, "-m", "eagle3x", "stage=serve", *args, f"serve.port={port}",
                  f"hidden.shared_dir={shared}"], env=env, cwd=root, stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL, text=True)
-            url = server.stdout.readline().strip()
+            url = ""
+            while server.poll() is None and not url.startswith("http://"):
+                url = server.stdout.readline().strip()  # log lines come first
+            if not url.startswith("http://"):
+                sys.exit("stage=serve did not come up")
             serve_start = time.perf_counter() - t0
             extra = ["hidden=server", f"hidden.urls=[{url}]", f"hidden.shared_dir={shared}"]
         elif mode == "online":

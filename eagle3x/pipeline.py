@@ -95,7 +95,8 @@ STAGES: Tuple[StageSpec, ...] = (
               checks=(preflight.logger_installed, preflight.wandb_credentials,
                       preflight.trainer_devices, preflight.resume_checkpoint,
                       preflight.online_engine, preflight.vllm_family,
-                      preflight.engine_memory, preflight.hidden_servers)),
+                      preflight.engine_memory, preflight.online_memory,
+                      preflight.hidden_servers)),
     StageSpec("eval", evaluate.run, sections=("eval", "train", "extract", "engine", "hidden"),
               checks=(preflight.foreign_shards, preflight.live_serving,
                       preflight.engine_memory, preflight.vllm_family,
@@ -166,6 +167,7 @@ def run(cfg: Any) -> Optional[str]:
     from eagle3x.artifacts import ArtifactError
     from eagle3x.config.compose import typed
     from eagle3x.data.conversations import DataError
+    from eagle3x.data.online import HiddenSourceError
 
     settings = typed(cfg)
     seconds: Dict[str, float] = {}
@@ -187,7 +189,7 @@ def run(cfg: Any) -> Optional[str]:
             finally:
                 _finish_wandb()
         return str(outcomes[-1].path)
-    except (DataError, ArtifactError) as exc:
+    except (DataError, ArtifactError, HiddenSourceError) as exc:
         log.error("%s", exc)
         sys.stderr.write(f"eagle3x: {exc}\n")
         sys.exit(1)

@@ -399,19 +399,76 @@ def online(w: World) -> bool:
 
 
 def online_engine(w: World) -> List[Problem]:
-    """train with hidden=online: one training process owns the engine (several processes
-    would each start a verifier on the same devices)."""
+    """train with hidden=online on several processes: each rank owns an engine and makes
+    only its own batches. With engine=hf each loads the verifier on its own device
+    (cuda:<local rank>); vLLM's in-process engine would take the same GPUs on every rank,
+    so that combination is refused (servers on other GPUs do it: hidden=server)."""
     if not online(w):
         return []
     t = w.cfg.trainer
     devices = str(t.devices)
     many = (devices.isdigit() and int(devices) > 1) or devices.startswith("[") or t.num_nodes > 1
-    if many:
-        return [Problem("trainer.devices", "hidden=online trains in one process: each "
-                        "training process would start its own verifier engine on the same "
-                        "devices.", value=devices, where=_given(w.overrides, "trainer.devices"),
-                        hint="trainer.devices=1, or hidden=offline (extract once, then DDP)")]
+    if many and w.cfg.engine.name is EngineName.vllm:
+        return [Problem("trainer.devices", "hidden=online with engine=vllm trains in one "
+                        "process: every training process would start its own vLLM engine on "
+                        "the same GPUs.", value=devices, where=_given(w.overrides, "trainer.devices"),
+                        hint="hidden=server (python -m eagle3x stage=serve on other GPUs; each "
+                             "rank asks for its own batches), engine=hf (each rank's verifier on "
+                             "its own GPU), or trainer.devices=1")]
     return []
+
+
+def online_memory(w: World) -> List[Problem]:
+    """train with hidden=online: the engine and the draft share the training device. What
+    the engine holds (vLLM: gpu_memory_utilization x the device, reserved at start; hf: the
+    verifier's weights in engine.dtype) plus a lower bound of the draft's training memory
+    (eagle3x.stages.train.draft_training_bytes) must be free now, on the first GPU, or in
+    CPU memory when training on the CPU."""
+    if not online(w) or "train" not in w.runs or w.plan is None:
+        return []
+    from eagle3x.config import machine
+    from eagle3x.stages.train import draft_shape, draft_training_bytes
+
+    cfg, plan = w.cfg, w.plan
+    on_gpu = not _trains_on_cpu(cfg.trainer) and visible_gpus() > 0
+    found = machine.gpu_memory()[:1] if on_gpu else [m for m in [machine.cpu_memory()] if m]
+    if not found:
+        return []
+    m = found[0]
+    draft = draft_training_bytes(
+        draft_shape(plan.verifier, cfg.vocab.draft_vocab_size, cfg.train.intermediate_size),
+        cfg.train.freeze_embeddings)
+    vllm = cfg.engine.name is EngineName.vllm
+    if vllm:
+        engine, what = m.total * cfg.engine.gpu_memory_utilization, (
+            f"vLLM reserves {human_bytes(m.total * cfg.engine.gpu_memory_utilization)} "
+            f"(engine.gpu_memory_utilization={cfg.engine.gpu_memory_utilization})")
+    else:
+        engine = verifier_bytes(plan.verifier.path, cfg.engine.dtype,
+                                plan.verifier.info.raw)
+        what = f"the verifier's weights take {human_bytes(engine)}"
+    if engine + draft <= m.available or (vllm and engine > m.available):
+        return []  # (vLLM's reservation alone: engine_memory says so)
+    hint = "hidden=server (the verifier on other GPUs) or hidden=offline"
+    if vllm:
+        fits = int((m.available - draft) / m.total * 100) / 100
+        if fits >= 0.05:
+            hint = f"engine.gpu_memory_utilization={fits:.2f} or lower, or " + hint
+    return [Problem("hidden", f"online, the engine and the draft share {m.where}: {what}, and "
+                    f"training the draft needs at least {human_bytes(draft)} (weights, "
+                    f"gradients, AdamW moments); {human_bytes(m.available)} is free.",
+                    value="online", where=_given(w.overrides, "hidden"), hint=hint)]
+
+
+def verifier_bytes(folder: Path, dtype: str, raw: dict) -> float:
+    """The verifier's safetensors bytes, scaled to `dtype` when it names another width
+    than the checkpoint's (`torch_dtype`/`dtype` in config.json)."""
+    size = float(sum(p.stat().st_size for p in Path(folder).glob("*.safetensors")))
+    width = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
+    stored = width.get(str(raw.get("torch_dtype") or raw.get("dtype") or ""))
+    if stored and dtype in width:
+        size *= width[dtype] / stored
+    return size
 
 
 def hidden_servers(w: World) -> List[Problem]:

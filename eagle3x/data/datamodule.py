@@ -13,6 +13,7 @@ on any number of processes with the same global batch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
@@ -139,7 +140,8 @@ class StepBatchSampler:
 
     def __init__(self, n: int, batch_size: int, seed: int, start: Callable[[], int],
                  rank: int = 0, world: int = 1, accumulate: int = 1, total: int = 10 ** 9,
-                 ahead: Optional[Callable[[List[List[int]]], None]] = None, ahead_n: int = 0):
+                 ahead: Optional[Callable[[List[List[int]]], None]] = None, ahead_n: int = 0,
+                 horizon: Optional[int] = None):
         if world * accumulate == 1:
             batch_size = min(batch_size, n)  # a batch larger than the data: all of it
         elif batch_size * world * accumulate > n:
@@ -153,8 +155,10 @@ class StepBatchSampler:
         self.rank, self.world, self.accumulate, self.total = rank, world, accumulate, total
         self.global_batch = batch_size * world * accumulate
         self.per_epoch = max(n // self.global_batch, 1)
-        #: told the `ahead_n` batches after each one handed out (online hidden states)
+        #: told the `ahead_n` batches after each one handed out (online hidden states),
+        #: none at or past micro-batch `horizon` (the run's last: nothing made for nothing)
         self.ahead, self.ahead_n = ahead, ahead_n
+        self.horizon = min(total, horizon if horizon is not None else total)
 
     def batch(self, micro: int) -> List[int]:
         step, i = divmod(micro, self.accumulate)
@@ -168,7 +172,7 @@ class StepBatchSampler:
         while m < self.total:
             if self.ahead is not None:
                 self.ahead([self.batch(j) for j in range(m, min(m + 1 + self.ahead_n,
-                                                               self.total))])
+                                                               self.horizon))])
             yield self.batch(m)
             m += 1
 
@@ -229,7 +233,8 @@ class HiddenStateDataModule(L.LightningDataModule):
         if self.train_set is not None:
             return
         if self.online is not None:
-            self.features = self.online()
+            # each training process makes its own batches with its own engine
+            self.features = self.online(self.trainer.local_rank if self.trainer else 0)
             n = self.split.extract_until(self.features.data["n"])
             hold, end = self.split.bounds(n)
             self.val_set = OnlineDataset(self.features, range(0, hold))
@@ -258,13 +263,14 @@ class HiddenStateDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         trainer = self.trainer
         accumulate = trainer.accumulate_grad_batches if trainer else 1
+        last = trainer.max_steps * accumulate if trainer and trainer.max_steps > 0 else None
         sampler = StepBatchSampler(
             len(self.train_set), self.batch_size, self.seed,
             start=lambda: (trainer.global_step * accumulate) if trainer else 0,
             rank=trainer.global_rank if trainer else 0, world=trainer.world_size if trainer else 1,
             accumulate=accumulate,
             ahead=self.train_set.schedule if self.features is not None else None,
-            ahead_n=self.features.prefetch if self.features is not None else 0)
+            ahead_n=self.features.prefetch if self.features is not None else 0, horizon=last)
         return DataLoader(self.train_set, batch_sampler=sampler,
                           collate_fn=collate_packed if self.pack else collate,
                           num_workers=self.num_workers)
@@ -289,10 +295,12 @@ class HiddenStateDataModule(L.LightningDataModule):
         return world > 1 and self.val_set is not None and len(self.val_set) >= world
 
 
-def online_features(plan: RunPlan, source: HiddenStates, hidden: HiddenConfig) -> Any:
+def online_features(plan: RunPlan, source: HiddenStates, hidden: HiddenConfig,
+                    local_rank: int = 0) -> Any:
     """OnlineFeatures for the plan: its prepared data, the configured engine (opened
     now, in this thread) or the hidden-state servers, the run's storage format and dtype,
-    the top-k head if needed."""
+    the top-k head if needed. Training process `local_rank` of a node puts an hf engine
+    with engine.device=auto on its own GPU (cuda:<local_rank>) when there are GPUs."""
     from eagle3x.data import prepared
     from eagle3x.data.extraction import _teacher_head
     from eagle3x.data.online import OnlineFeatures
@@ -305,7 +313,13 @@ def online_features(plan: RunPlan, source: HiddenStates, hidden: HiddenConfig) -
 
             return ServerEngine(hidden.urls, find_tensor(plan.verifier.path, FINAL_NORM_NAMES),
                                 plan.verifier.rms_norm_eps, len(plan.aux_layer_ids))
-        return open_engine(source.engine, plan.verifier, plan.aux_layer_ids,
+        settings = source.engine
+        if settings.device == "auto" and local_rank > 0:
+            import torch
+
+            if torch.cuda.is_available():
+                settings = dataclasses.replace(settings, device=f"cuda:{local_rank}")
+        return open_engine(settings, plan.verifier, plan.aux_layer_ids,
                            source.extract.max_seq_len, plan.run_dir / "online-scratch")
 
     data = prepared.load(plan.prepared.folder)

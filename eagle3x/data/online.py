@@ -25,6 +25,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 log = logging.getLogger("eagle3x")
 
 
+class HiddenSourceError(RuntimeError):
+    """The engine or servers making the hidden states failed; training stops with this
+    message (the run's checkpoints stay, and train.resume=auto continues from them)."""
+
+
 class OnlineFeatures:
     def __init__(self, prepared: Dict[str, Any], open_engine: Callable[[], Any],
                  fmt: Dict[str, Any], dtype: Any, head: Optional[Callable[[], tuple]] = None,
@@ -37,9 +42,11 @@ class OnlineFeatures:
         self.wait_s = 0.0  # the trainer waiting for batches
         self.compute_s = 0.0  # the engine computing them
         self.batches = 0
+        self.made = 0  # samples the engine computed (each once, when nothing is wasted)
         self._lock = threading.Condition()
         self._queue: "OrderedDict[Tuple[int, ...], None]" = OrderedDict()
         self._done: Dict[Tuple[int, ...], Any] = {}
+        self._making: Optional[Tuple[int, ...]] = None  # the batch the worker computes now
         self._stop = False
         self._error: Optional[BaseException] = None
         self._worker = threading.Thread(target=self._run, name="eagle3x-online", daemon=True)
@@ -55,7 +62,7 @@ class OnlineFeatures:
         with self._lock:
             for b in batches:
                 key = tuple(int(i) for i in b)
-                if key in self._done or key in self._queue:
+                if key in self._done or key in self._queue or key == self._making:
                     continue
                 if len(self._queue) + len(self._done) >= self.prefetch:
                     break
@@ -67,14 +74,14 @@ class OnlineFeatures:
         key = tuple(int(i) for i in indices)
         t0 = time.perf_counter()
         with self._lock:
-            if key not in self._done and key not in self._queue:
+            if key not in self._done and key not in self._queue and key != self._making:
                 self._queue[key] = None
                 self._queue.move_to_end(key, last=False)  # the trainer needs it now
                 self._lock.notify_all()
             while key not in self._done and self._error is None:
                 self._lock.wait(timeout=1.0)
             if self._error is not None:
-                raise RuntimeError(f"online hidden states: the engine failed: {self._error}") \
+                raise HiddenSourceError(f"online hidden states: {self._error}") \
                     from self._error
             out = self._done.pop(key)
             self._lock.notify_all()
@@ -90,17 +97,20 @@ class OnlineFeatures:
                 if self._stop:
                     return
                 key, _ = self._queue.popitem(last=False)
+                self._making = key
             try:
                 t0 = time.perf_counter()
                 made = self._make(key)
                 self.compute_s += time.perf_counter() - t0
             except BaseException as exc:  # handed to the trainer's thread
                 with self._lock:
+                    self._making = None
                     self._error = exc
                     self._lock.notify_all()
                 return
             with self._lock:
                 self._done[key] = made
+                self._making = None
                 self._lock.notify_all()
 
     def _make(self, indices: Tuple[int, ...]) -> List[Dict[str, Any]]:
@@ -112,6 +122,7 @@ class OnlineFeatures:
         spans = [(int(offs[i]), int(offs[i + 1])) for i in indices]
         ids = [ids_all[a:b] for a, b in spans]
         outs = self.engine.extract([x.tolist() for x in ids])
+        self.made += len(ids)
         head, softcap, scale = self.head() if self.head is not None else (None, None, 1.0)
         made = []
         for x, (a, b), (aux, last) in zip(ids, spans, outs):
@@ -123,7 +134,7 @@ class OnlineFeatures:
 
     def stats(self) -> Dict[str, float]:
         return {"engine_load_s": self.load_s, "wait_s": self.wait_s,
-                "compute_s": self.compute_s, "batches": self.batches}
+                "compute_s": self.compute_s, "batches": self.batches, "made": self.made}
 
     def close(self) -> None:
         with self._lock:

@@ -23,12 +23,21 @@ Only the standard library talks HTTP (urllib): startup checks stay light.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import threading
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+log = logging.getLogger("eagle3x")
+
+
+class ServersGone(RuntimeError):  # (OnlineFeatures hands it on as HiddenSourceError)
+    """No hidden-state server answers any more: the run stops (resume once restarted)."""
+
 
 def card_name(served_name: str) -> str:
     """A server's card is named by the model name it serves under (`eagle3x-<random>`,
@@ -116,6 +125,7 @@ class ServerEngine:
         self.models = {u: get_json(u + "/v1/models")["data"][0]["id"] for u in self.urls}
         self.pool = ThreadPoolExecutor(max_workers=4 * len(self.urls))
         self.turn = 0
+        self._lock = threading.Lock()
 
     def _ask(self, ids: List[int], first: int) -> Tuple[Any, Any]:
         from eagle3x.engines.vllm import hidden_from_capture
@@ -131,17 +141,24 @@ class ServerEngine:
                                {"model": self.models[url], "prompt": ids, "max_tokens": 1,
                                 "temperature": 0.0})
             except (urllib.error.URLError, OSError) as exc:
-                errors.append(f"{url}: {getattr(exc, 'reason', exc)}")
-                if url in self.alive:
-                    self.alive.remove(url)
+                why = f"{url}: {getattr(exc, 'reason', exc)}"
+                errors.append(why)
+                with self._lock:
+                    if url in self.alive:
+                        self.alive.remove(url)
+                        log.warning("hidden-state server %s stopped answering (%s); its "
+                                    "requests go to %s", url, getattr(exc, "reason", exc),
+                                    ", ".join(self.alive) or "no other server")
                 continue
             path = (out.get("kv_transfer_params") or {}).get("hidden_states_path")
             if not path:
                 raise RuntimeError(f"{url} returned no hidden_states_path: was it started "
                                    "by `python -m eagle3x stage=serve`?")
             return hidden_from_capture(path, ids, self.n_aux, self.norm_weight, self.eps)
-        raise RuntimeError("no hidden-state server answers: " + "; ".join(errors or self.urls)
-                           + ". Restart them and resume (train.resume=auto).")
+        raise ServersGone("no hidden-state server answers any more (" + "; ".join(
+            errors or self.urls) + "). Training stopped; the checkpoints in the run folder "
+            "hold its progress: restart the servers (python -m eagle3x stage=serve) and run "
+            "the same command again with train.resume=auto (the same batches follow).")
 
     def extract(self, batch: Sequence[Sequence[int]]) -> List[Tuple[Any, Any]]:
         start, self.turn = self.turn, self.turn + len(batch)

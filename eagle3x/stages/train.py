@@ -40,6 +40,27 @@ def draft_shape(verifier: VerifierRef, draft_vocab: int,
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)))
 
 
+def draft_training_bytes(shape: Dict[str, Any], freeze_embeddings: bool = True) -> int:
+    """A lower bound of the memory training the draft of `shape` holds, activations left
+    out: float32 weights, and for every trained weight its gradient and AdamW's two
+    moments (16 bytes a parameter; `draft.model` and `DraftModule.configure_optimizers`).
+    The frozen embedding holds its weights only. Startup compares it with what an online
+    engine leaves on the device, so it never refuses a draft that would fit."""
+    h, t, inter = shape["hidden_size"], shape["target_hidden_size"], shape["intermediate_size"]
+    q = shape["num_heads"] * shape["head_dim"]
+    kv = shape["num_kv_heads"] * shape["head_dim"]
+    trained = (3 * t * h  # fc: three aux states in
+               + 2 * h * (q + 2 * kv) + q * h  # attention reads [embedding, hidden]
+               + 3 * h * inter  # MLP
+               + h * shape["draft_vocab_size"]  # lm_head
+               + 4 * h)  # norms
+    embed = shape["target_vocab_size"] * h
+    if not freeze_embeddings:
+        trained += embed
+        embed = 0
+    return 16 * trained + 4 * embed
+
+
 def build_module(plan: RunPlan, train: TrainConfig, max_steps: int) -> Any:
     """The Lightning module for the plan's verifier and vocabulary (vocab must exist)."""
     import torch
@@ -107,6 +128,21 @@ def precheck(trainer: TrainerConfig) -> Optional[str]:
     return None
 
 
+def samples_made(features: Any, world: int) -> list:
+    """How many samples each training process had its engine or servers make (rank
+    order): each rank makes only its own batches, so they add up to the samples trained
+    and validated on, none twice."""
+    mine = int(features.stats()["made"])
+    if world > 1:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            every: list = [None] * world
+            dist.all_gather_object(every, mine)
+            return [int(x) for x in every]
+    return [mine]
+
+
 def run(plan: RunPlan, train: TrainConfig, trainer: TrainerConfig, logger: LoggerConfig,
         extract: ExtractConfig, engine: Optional[EngineConfig] = None,
         hidden: HiddenConfig = HiddenConfig()) -> Outcome:
@@ -129,12 +165,15 @@ def run(plan: RunPlan, train: TrainConfig, trainer: TrainerConfig, logger: Logge
     if ckpt is not None and plan.resume.mode == "auto":
         log.info("resuming from %s", ckpt)
     t0 = time.perf_counter()
-    try:
-        with distributed.fit_scope():
+    made = None
+    with distributed.fit_scope():  # (the process group lives until its end)
+        try:
             fitter.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None,
                        weights_only=True)
-    finally:
-        dm.close()
+        finally:
+            dm.close()
+        if dm.features is not None and not fitter.interrupted:
+            made = samples_made(dm.features, fitter.world_size)
     wall = time.perf_counter() - t0
     if fitter.interrupted:
         raise SystemExit(130)
@@ -157,7 +196,8 @@ def run(plan: RunPlan, train: TrainConfig, trainer: TrainerConfig, logger: Logge
         summary.update(hidden_wait_seconds=round(st["wait_s"], 3),
                        hidden_wait_fraction=round(st["wait_s"] / max(wall, 1e-9), 4),
                        hidden_engine_seconds=round(st["compute_s"], 3),
-                       hidden_engine_start_seconds=round(st["engine_load_s"], 3))
+                       hidden_engine_start_seconds=round(st["engine_load_s"], 3),
+                       hidden_samples_made=made)
         if exp_logger and logger.name is LoggerName.wandb:
             exp_logger.experiment.summary.update(
                 {"hidden/wait_fraction": summary["hidden_wait_fraction"],

@@ -125,9 +125,76 @@ def test_online_training_resumed_continues_with_the_same_batches(cli, store, tmp
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_what_online_cannot_do_yet_is_refused_at_startup(cli, store):
+def folder(path):
+    path.mkdir()
+    return path
+
+
+def test_what_online_cannot_do_is_refused_at_startup(cli, store, tmp_path):
+    from tests.config.test_machine_checks import fake_nvidia_smi, passes
     from tests.config.test_refusals import refused
 
-    refused(cli("stage=train", "hidden=online", "engine=hf", "trainer.devices=2",
-                "trainer.accelerator=cpu"), "trainer.devices=2", "hidden=online trains in one process")
+    # several training processes: each owns an engine; vLLM's would share the GPUs
+    refused(cli("stage=train", "hidden=online", "engine=vllm", "trainer.devices=2",
+                "trainer.accelerator=cpu"), "trainer.devices=2", "engine=vllm",
+            "hidden=server")
+    passes(cli, "stage=train", "hidden=online", "engine=hf", "trainer.devices=2",
+           "trainer.accelerator=cpu", key="trainer.devices")
     refused(cli("stage=train", "hidden=online", "hidden.prefetch=0"), "hidden.prefetch=0")
+
+    # the engine and the draft on one device (GPUs cannot exist here: nvidia-smi faked)
+    whole = fake_nvidia_smi(folder(tmp_path / "whole"), "0, 81920, 81920\\n1, 81920, 81920\\n")
+    refused(cli("stage=train", "hidden=online", "engine.gpu_memory_utilization=1.0", env=whole),
+            "x hidden=online", "vLLM reserves 80.0 GB", "training the draft needs at least",
+            "hidden=server")
+    passes(cli, "stage=train", "hidden=online", "engine.gpu_memory_utilization=0.9",
+           key="hidden", env=whole)
+    little = fake_nvidia_smi(folder(tmp_path / "little"), "0, 81920, 8\\n1, 81920, 8\\n")
+    refused(cli("stage=train", "hidden=online", "engine=hf", env=little),
+            "x hidden=online", "the verifier's weights take", "8.0 MB is free")
+    passes(cli, "stage=train", "hidden=online", "engine=hf", key="hidden", env=whole)
+
+
+class GatedEngine:
+    """An engine that holds each batch until `gate` is set (the scheduling is what is
+    tested here; the features come from the real engines in the tests above)."""
+
+    def __init__(self):
+        self.gate, self.started, self.calls = __import__("threading").Event(), [], []
+
+    def extract(self, batch):
+        self.calls.append([tuple(x) for x in batch])
+        self.started.append(True)
+        assert self.gate.wait(30)
+        return [(torch.zeros(len(x), 3 * 4), torch.zeros(len(x), 4)) for x in batch]
+
+    def close(self):
+        pass
+
+
+def test_a_batch_the_engine_is_making_is_not_asked_of_it_again():
+    """The sampler schedules the batches ahead again at every step; one the worker took
+    from the queue is neither waiting nor made yet, and must not be queued twice."""
+    import time
+
+    import numpy as np
+
+    from eagle3x.data.online import OnlineFeatures
+
+    data = {"n": 4, "offsets": np.array([0, 2, 4, 6, 8]), "input_ids": np.arange(8),
+            "loss_mask": np.ones(8, dtype=np.uint8)}
+    engine = GatedEngine()
+    f = OnlineFeatures(data, lambda: engine, {"aux": "native", "teacher": "hidden"},
+                       torch.float32, prefetch=2)
+    try:
+        f.schedule([[0, 1], [2, 3]])
+        deadline = time.time() + 10
+        while not engine.started and time.time() < deadline:
+            time.sleep(0.01)
+        f.schedule([[0, 1], [2, 3]])  # [0, 1] is being made now
+        engine.gate.set()
+        assert len(f.samples([0, 1])) == 2 and len(f.samples([2, 3])) == 2
+        assert engine.calls == [[(0, 1), (2, 3)], [(4, 5), (6, 7)]]  # samples 0-1, 2-3
+        assert f.stats()["made"] == 4
+    finally:
+        f.close()

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -127,6 +128,159 @@ def test_training_against_the_server_stores_nothing_and_reads_what_transformers_
     finally:
         hf.close()
         srv.close()
+
+
+class Proxy:
+    """A real HTTP front for the server, in this process: it forwards every request and
+    counts the completions; given `dies_after`, the next completion gets no reply and the
+    port closes for good, as when a server's process dies mid-run."""
+
+    def __init__(self, target: str, dies_after: Optional[int] = None):
+        import http.server
+        import threading
+        import urllib.request
+
+        proxy = self
+        self.target, self.dies_after, self.completions, self.dead = target, dies_after, 0, False
+        self.lock = threading.Lock()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def forward(self, body: Optional[bytes] = None) -> None:
+                if self.path.endswith("/completions"):
+                    with proxy.lock:
+                        proxy.completions += 1
+                        dying = (proxy.dies_after is not None
+                                 and proxy.completions > proxy.dies_after)
+                    if dying:
+                        proxy.kill()
+                        self.close_connection = True
+                        return
+                req = urllib.request.Request(proxy.target + self.path, data=body,
+                                             headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=600) as r:
+                    data, code = r.read(), r.status
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self.forward()
+
+            def do_POST(self):
+                self.forward(self.rfile.read(int(self.headers["Content-Length"])))
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def kill(self) -> None:
+        import threading
+
+        if not self.dead:
+            self.dead = True
+            self.httpd.socket.close()
+            threading.Thread(target=self.httpd.shutdown, daemon=True).start()
+
+
+STEPS = 6
+
+
+def train_args(server, run: Path, *urls: str) -> list:
+    """6 steps of 8 samples, validation (8 held out) at steps 3 and 6, one batch made
+    ahead; float32 from the server to the trainer."""
+    _, shared, _ = server
+    return ["stage=train", "hidden=server", f"hidden.urls=[{','.join(urls)}]",
+            f"hidden.shared_dir={shared}", "hidden.prefetch=1", "engine.dtype=float32",
+            "extract.dtype=float32", "experiment=tiny", "data.num_samples=16",
+            "data.holdout_samples=8", "logger=none", f"trainer.max_steps={STEPS}",
+            "trainer.val_check_interval=3", f"train.output_dir={run}"]
+
+
+def same_draft(x: Path, y: Path, rel: float = 1e-4) -> float:
+    """The two runs' exported drafts agree (d2t/t2d exactly); the largest difference."""
+    from safetensors.torch import load_file
+
+    a, b = (load_file(str(r / "draft" / "model.safetensors")) for r in (x, y))
+    assert a.keys() == b.keys()
+    worst = 0.0
+    for k in a:
+        if not a[k].is_floating_point():
+            assert torch.equal(a[k], b[k]), k
+            continue
+        err = float((a[k] - b[k]).abs().max() / a[k].abs().max())
+        assert err < rel, (k, err)
+        worst = max(worst, err)
+    print("largest relative difference", worst)
+    return worst
+
+
+@pytest.fixture(scope="module")
+def failover(server, cache_dir, tmp_path_factory):
+    """A run whose first server dies after 12 completions: the rest go to the other."""
+    from tests.helpers import Cli
+
+    url = server[0]
+    dying = Proxy(url, dies_after=12)
+    root = tmp_path_factory.mktemp("failover")
+    run = root / "run"
+    r = Cli(root)(*train_args(server, run, dying.url, url),
+                  env={"EAGLE3X_ARTIFACTS": str(root / "art"), "EAGLE3X_CACHE": str(cache_dir)})
+    assert r.returncode == 0, r.stderr[-4000:]
+    return run, r, dying
+
+
+@pytest.mark.vllm
+def test_a_server_that_dies_mid_run_hands_its_requests_to_the_others(failover, server):
+    run, r, dying = failover
+    assert dying.dead and dying.completions > 12  # (requests already on their way count)
+    assert f"hidden-state server {dying.url} stopped answering" in r.stdout + r.stderr
+    assert f"its requests go to {server[0]}" in r.stdout + r.stderr
+    summary = json.loads((run / "train_summary.json").read_text())
+    assert summary["steps"] == STEPS and summary["hidden"] == "server"
+    assert not [p for p in server[1].rglob("*.safetensors")]
+
+
+@pytest.mark.vllm
+def test_when_no_server_answers_the_run_stops_and_resumes_where_it_stopped(
+        failover, server, cli, tmp_path):
+    """The only server dies during step 3: the run stops with one line saying what to do;
+    run again (train.resume=auto) against a live server, it ends with the draft the
+    uninterrupted run trained: the same batches after the checkpoint."""
+    url = server[0]
+    dying = Proxy(url, dies_after=20)  # steps 1 and 2 (8 each), then 4 of step 3's 8
+    run = tmp_path / "run"
+    r = cli(*train_args(server, run, dying.url))
+    assert r.returncode == 1, r.stderr[-4000:]
+    assert "no hidden-state server answers any more" in r.stderr
+    assert "train.resume=auto" in r.stderr and "Traceback" not in r.stderr
+    assert not (run / "draft").exists()
+    kept = sorted(p.name for p in (run / "checkpoints").glob("step*.ckpt"))
+    assert kept and kept[-1] < f"step{STEPS:06d}.ckpt"
+    r = cli(*train_args(server, run, url), "train.resume=auto")
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "resuming from" in r.stdout + r.stderr
+    same_draft(failover[0], run)  # the server batches requests otherwise: float32 rounding
+
+
+@pytest.mark.vllm
+def test_two_training_processes_each_ask_the_servers_for_their_own_batches(
+        failover, server, cli, tmp_path):
+    url = server[0]
+    counting = Proxy(url)
+    run = tmp_path / "run"
+    r = cli(*train_args(server, run, counting.url), "trainer.devices=2",
+            "trainer.strategy=ddp", "trainer.accelerator=cpu", "train.batch_size=4")
+    assert r.returncode == 0, r.stderr[-4000:]
+    summary = json.loads((run / "train_summary.json").read_text())
+    made = summary["hidden_samples_made"]
+    # the global batch of 8 at each of 6 steps, the 8 held-out samples at 2 validations
+    assert made[0] == made[1] and sum(made) == STEPS * 8 + 2 * 8 == counting.completions
+    same_draft(failover[0], run)  # two processes sum in another order
 
 
 @pytest.mark.vllm

@@ -177,3 +177,23 @@ def test_the_long_sequence_paths_train_what_the_short_ones_train(runs, one):
     batches, recompute in backward): the draft the default settings train."""
     run = runs.train("blocked", *ONE, "train.attention_block=16", "train.loss_chunk=64")
     assert_close_states(state(one), state(run))
+
+
+def test_two_processes_online_each_make_only_their_own_batches(runs, one):
+    """hidden=online on two processes: each rank's engine makes its own micro-batches and
+    its share of the held-out samples, none twice, and they train what one process reading
+    the extracted shards trains."""
+    run = runs.train("two_online", *TWO, "hidden=online")
+    summary = json.loads((run / "train_summary.json").read_text())
+    made = summary["hidden_samples_made"]
+    validations = len(logged(run, "val/acc_0"))
+    assert validations >= 2
+    # the global batch (4) at every step, and every held-out sample at each validation
+    assert sum(made) == STEPS * 4 + validations * summary["val_samples"]
+    assert made[0] == made[1]
+    # each step trained on the samples one process trains on: the same losses (features
+    # made online and extracted offline may round differently to bfloat16 storage; AdamW
+    # magnifies that in the weights, not in the losses)
+    a, b = logged(one, "train/loss"), logged(run, "train/loss")
+    assert len(a) == len(b) == STEPS
+    assert a == pytest.approx(b, rel=1e-3)
