@@ -29,6 +29,12 @@ from typing import Optional, Sequence, Tuple
 VLLM_TESTED = "0.32"
 
 
+#: Why torchvision may be missing here, said wherever a vLLM class needs it.
+TORCHVISION_HINT = (" (the README's CPU install removes torchvision: its PyPI wheels are "
+                    "CUDA builds; install the torchvision built for this torch to use vLLM "
+                    "here)")
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -60,9 +66,7 @@ class Family:
             return self.vllm_refusal
         missing = [m for m in self.vllm_needs if importlib.util.find_spec(m) is None]
         if missing:
-            hint = (" (the README's CPU install removes torchvision: its PyPI wheels are CUDA "
-                    "builds; install the torchvision built for this torch to use vLLM here)"
-                    if "torchvision" in missing else "")
+            hint = TORCHVISION_HINT if "torchvision" in missing else ""
             return (f"vLLM's class for {self.architectures[0]} ({self.name}) imports "
                     f"{', '.join(missing)}, which is not installed{hint}; vLLM would fail at "
                     "engine start.")

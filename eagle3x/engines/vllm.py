@@ -79,9 +79,9 @@ def _import_failure(registered: Any) -> Optional[str]:
         importlib.import_module(module)
     except ImportError as exc:
         missing = getattr(exc, "name", None) or str(exc)
-        hint = (" (the README's CPU install removes torchvision: its PyPI wheels are CUDA "
-                "builds; install the torchvision built for this torch to use vLLM here)"
-                if missing == "torchvision" else "")
+        from eagle3x.families import TORCHVISION_HINT
+
+        hint = TORCHVISION_HINT if missing == "torchvision" else ""
         return (f"vLLM's model class for this verifier lives in {module}, which cannot be "
                 f"imported here: {exc}{hint}; vLLM would fail at engine start.")
     return None
