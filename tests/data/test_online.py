@@ -107,6 +107,23 @@ def test_stage_all_online_stores_no_hidden_states_and_reports_the_wait(cli, stor
     assert "the trainer waited" in r.stdout + r.stderr
 
 
+def test_a_sweep_over_sample_counts_trains_online_job_after_job(cli, store, tmp_path):
+    """-m over data.num_samples with hidden=online: each job opens and closes its own
+    engine in the one process, trains on its count, and nothing is stored."""
+    r = cli("-m", "stage=train", "hidden=online", "engine=hf", "experiment=tiny",
+            "logger=none", "trainer.max_steps=2", "data.num_samples=16,24",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    jobs = sorted((tmp_path / "sweep").glob("[0-9]"))
+    summaries = [json.loads((j / "train_summary.json").read_text()) for j in jobs]
+    assert [s["train_samples"] for s in summaries] == [16, 24]
+    assert all(s["hidden"] == "online" and s["steps"] == 2 for s in summaries)
+    for s in summaries:  # two steps of 8 samples, then the held-out ones per validation
+        extra = s["hidden_samples_made"][0] - 2 * 8
+        assert extra > 0 and extra % s["val_samples"] == 0, s["hidden_samples_made"]
+    assert not (store / "hidden").exists()
+
+
 def test_online_training_resumed_continues_with_the_same_batches(cli, store, tmp_path):
     """A 12-step run, and a run resumed from its step-6 checkpoint: the same weights (the
     online engine makes the same batches for the same steps)."""
