@@ -444,6 +444,9 @@ def online_memory(w: World) -> List[Problem]:
             f"vLLM reserves {human_bytes(m.total * cfg.engine.gpu_memory_utilization)} "
             f"(engine.gpu_memory_utilization={cfg.engine.gpu_memory_utilization})")
     else:
+        engine_on_gpu = cfg.engine.device != "cpu" and visible_gpus() > 0
+        if engine_on_gpu != on_gpu:
+            return []  # the verifier and the draft on different devices
         engine = verifier_bytes(plan.verifier.path, cfg.engine.dtype,
                                 plan.verifier.info.raw)
         what = f"the verifier's weights take {human_bytes(engine)}"
