@@ -170,6 +170,9 @@ def test_what_online_cannot_do_is_refused_at_startup(cli, store, tmp_path):
     refused(cli("stage=train", "hidden=online", "engine=hf", env=little),
             "x hidden=online", "the verifier's weights take", "8.0 MB is free")
     passes(cli, "stage=train", "hidden=online", "engine=hf", key="hidden", env=whole)
+    # the verifier in CPU memory, the draft on the GPU: nothing shared
+    passes(cli, "stage=train", "hidden=online", "engine=hf", "engine.device=cpu", key="hidden",
+           env=little)
 
 
 class GatedEngine:
