@@ -407,7 +407,7 @@ def online_engine(w: World) -> List[Problem]:
         return []
     t = w.cfg.trainer
     devices = str(t.devices)
-    many = (devices.isdigit() and int(devices) > 1) or devices.startswith("[") or t.num_nodes > 1
+    many = training_processes(t) > 1 or t.num_nodes > 1
     if many and w.cfg.engine.name is EngineName.vllm:
         return [Problem("trainer.devices", "hidden=online with engine=vllm trains in one "
                         "process: every training process would start its own vLLM engine on "
@@ -418,12 +418,24 @@ def online_engine(w: World) -> List[Problem]:
     return []
 
 
+def training_processes(t: TrainerConfig) -> int:
+    """The training processes Lightning starts on this node: `devices` as a count or a
+    list; auto and -1 are every visible GPU (one process on the CPU)."""
+    devices = str(t.devices).strip()
+    if devices.startswith("["):
+        return max(1, devices.count(",") + 1)
+    if devices.lstrip("-").isdigit() and int(devices) >= 0:
+        return max(1, int(devices))
+    gpus = visible_gpus()
+    return gpus if (gpus and not _trains_on_cpu(t)) else 1
+
+
 def online_memory(w: World) -> List[Problem]:
     """train with hidden=online: the engine and the draft share the training device. What
     the engine holds (vLLM: gpu_memory_utilization x the device, reserved at start; hf: the
     verifier's weights in engine.dtype) plus a lower bound of the draft's training memory
     (eagle3x.stages.train.draft_training_bytes) must be free now, on the first GPU, or in
-    CPU memory when training on the CPU."""
+    CPU memory when training on the CPU (once per training process there)."""
     if not online(w) or "train" not in w.runs or w.plan is None:
         return []
     from eagle3x.config import machine
@@ -437,7 +449,8 @@ def online_memory(w: World) -> List[Problem]:
     m = found[0]
     draft = draft_training_bytes(
         draft_shape(plan.verifier, cfg.vocab.draft_vocab_size, cfg.train.intermediate_size),
-        cfg.train.freeze_embeddings)
+        cfg.train.freeze_embeddings, cfg.trainer.precision)
+    procs = 1 if on_gpu else training_processes(cfg.trainer)  # CPU ranks share its memory
     vllm = cfg.engine.name is EngineName.vllm
     if vllm:
         engine, what = m.total * cfg.engine.gpu_memory_utilization, (
@@ -447,9 +460,10 @@ def online_memory(w: World) -> List[Problem]:
         engine_on_gpu = cfg.engine.device != "cpu" and visible_gpus() > 0
         if engine_on_gpu != on_gpu:
             return []  # the verifier and the draft on different devices
-        engine = verifier_bytes(plan.verifier.path, cfg.engine.dtype,
-                                plan.verifier.info.raw)
+        engine = procs * verifier_bytes(plan.verifier.path, cfg.engine.dtype,
+                                        plan.verifier.info.raw)
         what = f"the verifier's weights take {human_bytes(engine)}"
+    draft *= procs
     if engine + draft <= m.available or (vllm and engine > m.available):
         return []  # (vLLM's reservation alone: engine_memory says so)
     hint = "hidden=server (the verifier on other GPUs) or hidden=offline"

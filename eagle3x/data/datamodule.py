@@ -233,8 +233,9 @@ class HiddenStateDataModule(L.LightningDataModule):
         if self.train_set is not None:
             return
         if self.online is not None:
-            # each training process makes its own batches with its own engine
-            self.features = self.online(self.trainer.local_rank if self.trainer else 0)
+            # each training process makes its own batches with its own engine, on its device
+            self.features = self.online(str(self.trainer.strategy.root_device)
+                                        if self.trainer else None)
             n = self.split.extract_until(self.features.data["n"])
             hold, end = self.split.bounds(n)
             self.val_set = OnlineDataset(self.features, range(0, hold))
@@ -296,11 +297,12 @@ class HiddenStateDataModule(L.LightningDataModule):
 
 
 def online_features(plan: RunPlan, source: HiddenStates, hidden: HiddenConfig,
-                    local_rank: int = 0) -> Any:
+                    device: Optional[str] = None) -> Any:
     """OnlineFeatures for the plan: its prepared data, the configured engine (opened
     now, in this thread) or the hidden-state servers, the run's storage format and dtype,
-    the top-k head if needed. Training process `local_rank` of a node puts an hf engine
-    with engine.device=auto on its own GPU (cuda:<local_rank>) when there are GPUs."""
+    the top-k head if needed. An hf engine with engine.device=auto goes on the training
+    process's own GPU (`device`, the strategy's root device: cuda:2 for the first rank of
+    trainer.devices=[2,3])."""
     from eagle3x.data import prepared
     from eagle3x.data.extraction import _teacher_head
     from eagle3x.data.online import OnlineFeatures
@@ -314,11 +316,8 @@ def online_features(plan: RunPlan, source: HiddenStates, hidden: HiddenConfig,
             return ServerEngine(hidden.urls, find_tensor(plan.verifier.path, FINAL_NORM_NAMES),
                                 plan.verifier.rms_norm_eps, len(plan.aux_layer_ids))
         settings = source.engine
-        if settings.device == "auto" and local_rank > 0:
-            import torch
-
-            if torch.cuda.is_available():
-                settings = dataclasses.replace(settings, device=f"cuda:{local_rank}")
+        if settings.device == "auto" and device and device.startswith("cuda"):
+            settings = dataclasses.replace(settings, device=device)
         return open_engine(settings, plan.verifier, plan.aux_layer_ids,
                            source.extract.max_seq_len, plan.run_dir / "online-scratch")
 

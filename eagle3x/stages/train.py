@@ -40,12 +40,16 @@ def draft_shape(verifier: VerifierRef, draft_vocab: int,
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)))
 
 
-def draft_training_bytes(shape: Dict[str, Any], freeze_embeddings: bool = True) -> int:
+def draft_training_bytes(shape: Dict[str, Any], freeze_embeddings: bool = True,
+                         precision: str = "32") -> int:
     """A lower bound of the memory training the draft of `shape` holds, activations left
-    out: float32 weights, and for every trained weight its gradient and AdamW's two
-    moments (16 bytes a parameter; `draft.model` and `DraftModule.configure_optimizers`).
-    The frozen embedding holds its weights only. Startup compares it with what an online
-    engine leaves on the device, so it never refuses a draft that would fit."""
+    out: the weights, and for every trained weight its gradient and AdamW's two moments,
+    all in the weights' dtype (`draft.model`, `DraftModule.configure_optimizers`): 16
+    bytes a parameter in float32 (also under Lightning's "-mixed" precisions, which keep
+    float32 weights), 8 under "bf16-true" / "16-true". The frozen embedding holds its
+    weights only. Startup compares it with what an online engine leaves on the device,
+    so it never refuses a draft that would fit."""
+    width = 2 if str(precision).endswith("-true") and str(precision)[:2] in ("bf", "16") else 4
     h, t, inter = shape["hidden_size"], shape["target_hidden_size"], shape["intermediate_size"]
     q = shape["num_heads"] * shape["head_dim"]
     kv = shape["num_kv_heads"] * shape["head_dim"]
@@ -58,7 +62,7 @@ def draft_training_bytes(shape: Dict[str, Any], freeze_embeddings: bool = True) 
     if not freeze_embeddings:
         trained += embed
         embed = 0
-    return 16 * trained + 4 * embed
+    return 4 * width * trained + width * embed
 
 
 def build_module(plan: RunPlan, train: TrainConfig, max_steps: int) -> Any:

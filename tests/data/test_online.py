@@ -157,6 +157,9 @@ def test_what_online_cannot_do_is_refused_at_startup(cli, store, tmp_path):
             "hidden=server")
     passes(cli, "stage=train", "hidden=online", "engine=hf", "trainer.devices=2",
            "trainer.accelerator=cpu", key="trainer.devices")
+    # trainer.devices=auto on a node of 8 GPUs (faked) is 8 processes
+    refused(cli("stage=train", "hidden=online", "engine=vllm", env={"EAGLE3X_GPU_COUNT": "8"}),
+            "trainer.devices=auto", "engine=vllm")
     refused(cli("stage=train", "hidden=online", "hidden.prefetch=0"), "hidden.prefetch=0")
 
     # the engine and the draft on one device (GPUs cannot exist here: nvidia-smi faked)
@@ -212,6 +215,7 @@ def test_a_batch_the_engine_is_making_is_not_asked_of_it_again():
         while not engine.started and time.time() < deadline:
             time.sleep(0.01)
         f.schedule([[0, 1], [2, 3]])  # [0, 1] is being made now
+        assert list(f._queue) == [(2, 3)]
         engine.gate.set()
         assert len(f.samples([0, 1])) == 2 and len(f.samples([2, 3])) == 2
         assert engine.calls == [[(0, 1), (2, 3)], [(4, 5), (6, 7)]]  # samples 0-1, 2-3

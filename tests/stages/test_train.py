@@ -302,17 +302,24 @@ def test_trainer_settings_lightning_refuses_stop_the_run_before_prepare_and_extr
     assert not (store / "prepared").exists() and not (store / "hidden").exists()
 
 
-@pytest.mark.parametrize("freeze", [True, False])
-def test_the_draft_memory_bound_is_what_its_parameters_and_adamw_hold(freeze):
-    """startup's lower bound (hidden=online memory check) against a real draft: 16 bytes
-    per trained parameter (weight, gradient, two AdamW moments), 4 per frozen one."""
+@pytest.mark.parametrize("freeze,precision,width", [(True, "32", 4), (False, "bf16-mixed", 4),
+                                                   (True, "bf16-true", 2)])
+def test_the_draft_memory_bound_is_what_its_parameters_and_adamw_hold(freeze, precision, width):
+    """startup's lower bound (hidden=online memory check) against a real draft: per trained
+    parameter its weight, gradient and two AdamW moments, per frozen one its weight, in
+    the weights' width (float32 unless the precision is "-true" 16-bit)."""
     from eagle3x.draft.model import DraftShape, Eagle3Draft
     from eagle3x.stages.train import draft_training_bytes
 
     shape = dict(hidden_size=64, target_hidden_size=96, intermediate_size=160, num_heads=4,
                  num_kv_heads=2, head_dim=24, draft_vocab_size=50, target_vocab_size=300)
     draft = Eagle3Draft(DraftShape(**shape), torch.zeros(50), torch.zeros(300))
+    if width == 2:
+        draft = draft.to(torch.bfloat16)  # what Lightning's bf16-true does to the module
     draft.embed_tokens.weight.requires_grad_(not freeze)
-    trained = sum(p.numel() for p in draft.parameters() if p.requires_grad)
-    frozen = sum(p.numel() for p in draft.parameters() if not p.requires_grad)
-    assert draft_training_bytes(shape, freeze) == 16 * trained + 4 * frozen
+    trained = [p for p in draft.parameters() if p.requires_grad]
+    frozen = [p for p in draft.parameters() if not p.requires_grad]
+    assert {p.element_size() for p in draft.parameters()} == {width}
+    held = sum(4 * p.numel() * p.element_size() for p in trained)  # + grad, exp_avg, exp_avg_sq
+    held += sum(p.numel() * p.element_size() for p in frozen)
+    assert draft_training_bytes(shape, freeze, precision) == held
