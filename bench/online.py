@@ -18,7 +18,8 @@ printed apart: it serves every run that follows. Recorded in bench/RESULTS.md.
 
 `--long K`: the longer-sequence case. Each conversation is K consecutive bundled ones
 joined into one multi-turn conversation (the next K, cyclically, for the next sample), so
-samples are about K times longer (extract.max_seq_len=2048).
+samples are about K times longer (extract.max_seq_len=2047: the tiny verifier has 2048
+positions, one left for the token vLLM generates).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def main() -> None:
               f"data.num_samples={a.samples}"]
     if a.long:
         data = long_conversations(a.long, root / "long.jsonl")
-        common += [f"data.path={data}", "extract.max_seq_len=2048"]
+        common += [f"data.path={data}", "extract.max_seq_len=2047"]
     rows = {}
     for mode in ("offline", "online", "server"):
         store, run_dir = root / mode / "store", root / mode / "run"

@@ -57,14 +57,16 @@ class OnlineFeatures:
         return int(offs[i + 1]) - int(offs[i])
 
     def schedule(self, batches: Sequence[Sequence[int]]) -> None:
-        """Compute these batches next (beyond `prefetch` waiting batches, the rest is
-        dropped: the sampler asks again as the trainer moves on)."""
+        """Compute these batches next, the first being the one the trainer takes next.
+        At most that one and `prefetch` more are held (waiting, being made or made); the
+        rest is dropped: the sampler asks again as the trainer moves on."""
         with self._lock:
             for b in batches:
                 key = tuple(int(i) for i in b)
                 if key in self._done or key in self._queue or key == self._making:
                     continue
-                if len(self._queue) + len(self._done) >= self.prefetch:
+                held = len(self._queue) + len(self._done) + (self._making is not None)
+                if held >= self.prefetch + 1:
                     break
                 self._queue[key] = None
             self._lock.notify_all()
@@ -103,6 +105,7 @@ class OnlineFeatures:
                 made = self._make(key)
                 self.compute_s += time.perf_counter() - t0
             except BaseException as exc:  # handed to the trainer's thread
+                log.debug("online hidden states: the engine failed", exc_info=True)
                 with self._lock:
                     self._making = None
                     self._error = exc

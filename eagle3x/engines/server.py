@@ -39,6 +39,11 @@ class ServersGone(RuntimeError):  # (OnlineFeatures hands it on as HiddenSourceE
     """No hidden-state server answers any more: the run stops (resume once restarted)."""
 
 
+class ServerRefused(RuntimeError):
+    """A server answered a request with an HTTP error: the request is at fault, not the
+    server, which stays in the rotation (the run stops, naming its answer)."""
+
+
 def card_name(served_name: str) -> str:
     """A server's card is named by the model name it serves under (`eagle3x-<random>`,
     given by stage=serve), which the client reads from /v1/models: no host names to match."""
@@ -140,7 +145,11 @@ class ServerEngine:
                 out = get_json(url + "/v1/completions", self.timeout,
                                {"model": self.models[url], "prompt": ids, "max_tokens": 1,
                                 "temperature": 0.0})
-            except (urllib.error.URLError, OSError) as exc:
+            except urllib.error.HTTPError as exc:  # it answers: this request is refused
+                detail = exc.read().decode(errors="replace")[:500]
+                raise ServerRefused(f"{url} refused a sample of {len(ids)} tokens with HTTP "
+                                    f"{exc.code}: {detail}") from exc
+            except (urllib.error.URLError, OSError) as exc:  # down, or no answer in time
                 why = f"{url}: {getattr(exc, 'reason', exc)}"
                 errors.append(why)
                 with self._lock:

@@ -252,7 +252,7 @@ def test_when_no_server_answers_the_run_stops_and_resumes_where_it_stopped(
     run again (train.resume=auto) against a live server, it ends with the draft the
     uninterrupted run trained: the same batches after the checkpoint."""
     url = server[0]
-    dying = Proxy(url, dies_after=20)  # steps 1 and 2 (8 each), then 4 of step 3's 8
+    dying = Proxy(url, dies_after=20)  # during the third batch of 8
     run = tmp_path / "run"
     r = cli(*train_args(server, run, dying.url))
     assert r.returncode == 1, r.stderr[-4000:]
