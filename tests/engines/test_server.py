@@ -284,6 +284,23 @@ def test_two_training_processes_each_ask_the_servers_for_their_own_batches(
 
 
 @pytest.mark.vllm
+def test_a_request_the_server_refuses_stops_the_run_and_keeps_the_server(server):
+    """vLLM answers a prompt past its max_model_len with an HTTP error: the request is at
+    fault, not the server, which stays in the rotation (not dropped as a dead one)."""
+    from eagle3x.engines.server import ServerEngine, ServerRefused
+
+    url = server[0]
+    engine = ServerEngine([url], torch.ones(64), 1e-6, 3, timeout=120)
+    try:
+        with pytest.raises(ServerRefused, match=r"HTTP 4\d\d") as info:
+            engine.extract([[1] * 5000])
+        assert url in str(info.value) and "5000 tokens" in str(info.value)
+        assert engine.alive == [url]
+    finally:
+        engine.close()
+
+
+@pytest.mark.vllm
 def test_stopping_the_server_removes_its_card(server):
     url, shared, proc = server
     proc.send_signal(signal.SIGTERM)
