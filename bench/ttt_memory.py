@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 SMALL = dict(hidden=256, heads=4, kv_heads=4, intermediate=688, draft_vocab=4096,
              target_vocab=32000)
 # Draft shapes for real verifiers: one Llama decoder layer at the verifier's hidden size and
-# heads (eagle3x's draft_shape), the verifier's vocabulary, a 32K draft vocabulary.
+# heads (eagle3x.draft.shape.draft_shape), the verifier's vocabulary, a 32K draft vocabulary.
 REAL = {
     "Llama-3-8B": dict(hidden=4096, heads=32, kv_heads=8, intermediate=14336,
                        draft_vocab=32000, target_vocab=128256),

@@ -108,7 +108,7 @@ def save_tiny_draft(verifier: Path, ids: Sequence[int], out: Path) -> Path:
     from eagle3x.draft.model import DraftShape, Eagle3Draft
     from eagle3x.draft.save import save
     from eagle3x.plan import VerifierRef
-    from eagle3x.stages.train import draft_shape
+    from eagle3x.draft.shape import draft_shape
     from eagle3x.verifier import read_info
 
     ref = VerifierRef(path=verifier, tiny=False, trust_remote_code=False, fingerprint="",

@@ -434,12 +434,12 @@ def online_memory(w: World) -> List[Problem]:
     """train with hidden=online: the engine and the draft share the training device. What
     the engine holds (vLLM: gpu_memory_utilization x the device, reserved at start; hf: the
     verifier's weights in engine.dtype) plus a lower bound of the draft's training memory
-    (eagle3x.stages.train.draft_training_bytes) must be free now, on the first GPU, or in
+    (eagle3x.draft.shape.draft_training_bytes) must be free now, on the first GPU, or in
     CPU memory when training on the CPU (once per training process there)."""
     if not online(w) or "train" not in w.runs or w.plan is None:
         return []
     from eagle3x.config import machine
-    from eagle3x.stages.train import draft_shape, draft_training_bytes
+    from eagle3x.draft.shape import draft_shape, draft_training_bytes
 
     cfg, plan = w.cfg, w.plan
     on_gpu = not _trains_on_cpu(cfg.trainer) and visible_gpus() > 0

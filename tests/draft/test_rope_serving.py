@@ -26,7 +26,7 @@ import torch
 
 from eagle3x.draft.model import DraftShape, rope
 from eagle3x.draft.save import draft_config
-from eagle3x.stages.train import draft_shape
+from eagle3x.draft.shape import draft_shape
 from eagle3x.verifier import VerifierInfo
 
 BASE = dict(num_hidden_layers=8, hidden_size=256, vocab_size=1024, num_attention_heads=4,

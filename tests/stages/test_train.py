@@ -309,7 +309,7 @@ def test_the_draft_memory_bound_is_what_its_parameters_and_adamw_hold(freeze, pr
     parameter its weight, gradient and two AdamW moments, per frozen one its weight, in
     the weights' width (float32 unless the precision is "-true" 16-bit)."""
     from eagle3x.draft.model import DraftShape, Eagle3Draft
-    from eagle3x.stages.train import draft_training_bytes
+    from eagle3x.draft.shape import draft_training_bytes
 
     shape = dict(hidden_size=64, target_hidden_size=96, intermediate_size=160, num_heads=4,
                  num_kv_heads=2, head_dim=24, draft_vocab_size=50, target_vocab_size=300)
