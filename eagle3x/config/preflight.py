@@ -652,21 +652,30 @@ def _mla_on_cpu(w: World) -> List[Problem]:
     reference CPU_MLA backend with block size 16, the verifier's MLA layers and the draft's
     attention share one KV-cache group, and vllm/v1/worker/utils.py
     (select_common_block_size) finds no size both take: CPU_MLA only 16, CPU_ATTN only
-    multiples of 32 ("No common block size for 16"). With AMX (AMX_MLA, multiples of 32)
-    or on CUDA (the block size is chosen after the draft loads) a size exists."""
-    if w.info is None or visible_gpus() > 0 or _cpu_has_amx():
+    multiples of 32 ("No common block size for 16"). With AMX, vLLM picks AMX_MLA
+    (multiples of 32), which runs bfloat16 alone (eagle3x.engines.base.mla_attention): in
+    another engine.dtype CPU_MLA is the only backend, with the same dead end. On CUDA the
+    block size is chosen after the draft loads, and a size exists."""
+    if w.info is None or visible_gpus() > 0:
         return []
     rank = w.info.raw.get("kv_lora_rank")  # raw: the language model's config already
     if not rank:
         return []
+    dtype = str(w.cfg.engine.dtype)
+    bf16 = dtype in ("auto", "bfloat16")
+    if _cpu_has_amx() and bf16:
+        return []
     arch = ", ".join(w.info.architectures) or "this verifier"
+    where = ("without AMX" if not _cpu_has_amx() else
+             f"in engine.dtype={dtype} (its AMX backend runs bfloat16 alone)")
     return [Problem("eval.live", f"{arch} uses multi-head latent attention (kv_lora_rank="
-                    f"{rank}): on vLLM's CPU build without AMX its MLA layers and the draft's "
+                    f"{rank}): on vLLM's CPU build {where} its MLA layers and the draft's "
                     "attention have no common KV-cache block size (CPU_MLA: 16; CPU_ATTN: "
                     "multiples of 32), so vLLM fails to start serving the draft beside it.",
                     value="true",
-                    hint="drop eval.live here (the offline eval still runs), or run "
-                         "stage=eval eval.live=true on a GPU node")]
+                    hint="drop eval.live here (the offline eval still runs), run "
+                         "stage=eval eval.live=true on a GPU node"
+                         + ("" if not _cpu_has_amx() else ", or engine.dtype=bfloat16"))]
 
 
 def resume_checkpoint(w: World) -> List[Problem]:

@@ -41,7 +41,24 @@ def vllm_options(settings: "EngineConfig", verifier: "VerifierRef") -> Dict[str,
 
     options = {k: v for k, v in dataclasses.asdict(settings).items() if k not in ("name", "device")}
     options["trust_remote_code"] = verifier.trust_remote_code
+    options["mla"] = bool(verifier.info.raw.get("kv_lora_rank"))  # multi-head latent attention
     return options
+
+
+def mla_attention(settings: Dict[str, Any]) -> Dict[str, Any]:
+    """vLLM's attention backend for an MLA verifier (DeepSeek-V2/V3, Kimi-K2) on its CPU
+    build, as an argument of vllm.LLM: where the CPU has AMX tiles vLLM picks AMX_MLA
+    (vllm/platforms/cpu.py, CpuPlatform.get_attn_backend_cls), which runs bfloat16 alone
+    (vllm/v1/attention/backends/mla/amx_mla.py: `supported_dtypes`; its
+    `process_weights_after_loading` fails on float32 weights: "expect weight to be
+    bfloat16, float16, ..."). In any other dtype the reference CPU_MLA backend, which
+    takes any dtype, is asked for by name: what vLLM picks itself without AMX. Empty on
+    GPUs, for other verifiers and for bfloat16 (vLLM's `auto` on a CPU)."""
+    if not settings.get("mla") or str(settings.get("dtype")) in ("auto", "bfloat16"):
+        return {}
+    from vllm.platforms import current_platform
+
+    return {"attention_backend": "CPU_MLA"} if current_platform.is_cpu() else {}
 
 
 def open_engine(settings: "EngineConfig", verifier: "VerifierRef", aux_ids: Sequence[int],

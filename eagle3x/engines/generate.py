@@ -59,6 +59,8 @@ class VLLMGenerator:
     def __init__(self, verifier: Path, settings: Dict[str, Any], context: int, stops: Set[int]):
         from vllm import LLM
 
+        from eagle3x.engines.base import mla_attention
+
         self.stops = stops
         kw = dict(model=str(verifier), tensor_parallel_size=settings["tensor_parallel_size"],
                   dtype=settings["dtype"], enforce_eager=settings["enforce_eager"],
@@ -68,6 +70,7 @@ class VLLMGenerator:
                   max_model_len=context, enable_prefix_caching=True)
         if settings.get("max_num_batched_tokens"):
             kw["max_num_batched_tokens"] = settings["max_num_batched_tokens"]
+        kw.update(mla_attention(settings))
         self.llm = LLM(**{k: v for k, v in kw.items() if v is not None})
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling,

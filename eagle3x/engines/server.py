@@ -114,6 +114,8 @@ def serve_argv(verifier: Path, kw: Dict[str, Any], host: str, port: int,
         argv.append("--enforce-eager")
     if kw.get("quantization"):
         argv += ["--quantization", str(kw["quantization"])]
+    if kw.get("attention_backend"):
+        argv += ["--attention-backend", str(kw["attention_backend"])]
     if kw.get("trust_remote_code"):
         argv.append("--trust-remote-code")
     return argv

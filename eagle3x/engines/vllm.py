@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from eagle3x.engines.base import mla_attention
 from eagle3x.weights import FINAL_NORM_NAMES, find_tensor, rms_norm
 
 CONNECTOR = "Eagle3xHiddenStatesConnector"
@@ -113,6 +114,7 @@ def engine_kwargs(verifier: Path, aux_ids: Sequence[int], num_layers: int, max_s
             "kv_connector_extra_config": {"shared_storage_path": scratch},
         },
     )
+    kw.update(mla_attention(settings))
     # On vLLM's CPU build this is the share of CPU memory it reserves.
     kw["gpu_memory_utilization"] = settings["gpu_memory_utilization"]
     if settings.get("max_num_batched_tokens"):

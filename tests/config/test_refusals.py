@@ -304,13 +304,20 @@ def test_live_eval_beside_an_mla_verifier_is_refused_on_the_cpu_build(cli, tiny_
         monkeypatch.setenv("EAGLE3X_GPU_COUNT", gpus)
         return [p for p in validate(argv, []) if "latent attention" in p.message]
 
-    from eagle3x.config.preflight import _cpu_has_amx
+    from eagle3x.config import preflight
 
-    if _cpu_has_amx():  # vLLM runs AMX_MLA here, whose block sizes the draft shares
-        assert not mla_refusal(args, "0")
-        return
-    refused(cli(*args, env={"EAGLE3X_GPU_COUNT": "0"}), "DeepseekV3ForCausalLM uses multi-head "
-            "latent attention (kv_lora_rank=512)", "no common KV-cache block size")
-    assert mla_refusal(args, "0") and not mla_refusal(args, "1")  # CUDA serves it
-    assert not mla_refusal(["stage=eval", "eval.live=true"], "0")  # the tiny Llama
+    # this machine's CPU, through the command a user types
+    f32 = args + ["engine.dtype=float32"]
+    where = "engine.dtype=float32" if preflight._cpu_has_amx() else "without AMX"
+    refused(cli(*f32, env={"EAGLE3X_GPU_COUNT": "0"}), "DeepseekV3ForCausalLM uses multi-head "
+            "latent attention (kv_lora_rank=512)", where, "no common KV-cache block size")
+    # either CPU (/proc/cpuinfo's amx_tile flag, set here both ways): without AMX never;
+    # with it (AMX_MLA shares the draft's block sizes) in bfloat16 only
+    for amx in (False, True):
+        monkeypatch.setattr(preflight, "_cpu_has_amx", lambda amx=amx: amx)
+        for dtype, served in [("auto", amx), ("bfloat16", amx), ("float32", False),
+                              ("float16", False)]:
+            assert bool(mla_refusal(args + [f"engine.dtype={dtype}"], "0")) != served, (amx, dtype)
+        assert not mla_refusal(f32, "1")  # CUDA serves it
+        assert not mla_refusal(["stage=eval", "eval.live=true", "engine.dtype=float32"], "0")
     assert not mla_refusal(args[:1] + args[2:], "0")  # no live eval, nothing served

@@ -61,6 +61,41 @@ def server(tmp_path_factory, cache_dir, tiny_verifier):
 
 
 @pytest.mark.vllm
+@pytest.mark.parametrize("mla,dtype", [(False, "auto"), (True, "float32"), (True, "bfloat16")])
+def test_the_server_command_is_the_in_process_engine_as_vllm_reads_it(mla, dtype):
+    """stage=serve's command line, read by the parser vLLM's server runs
+    (vllm/entrypoints/launchers/api_server/entry.py, main), gives the engine arguments the
+    in-process engine passes to vllm.LLM, key for key. An MLA verifier outside bfloat16
+    asks for CPU_MLA on the CPU build (AMX_MLA runs bfloat16 alone: engines.base.mla_attention)."""
+    pytest.importorskip("vllm")
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from eagle3x.engines.server import serve_argv
+    from eagle3x.engines.vllm import engine_kwargs
+
+    settings = dict(tensor_parallel_size=1, dtype=dtype, enforce_eager=True, quantization=None,
+                    trust_remote_code=False, gpu_memory_utilization=0.3,
+                    max_num_batched_tokens=None, mla=mla)
+    kw = engine_kwargs(Path("/models/v"), [1, 3, 4], 8, 512, "/shared/x", settings)
+    assert ("attention_backend" in kw) == (mla and dtype == "float32")
+    argv = serve_argv(Path("/models/v"), kw, "127.0.0.1", 8000, "eagle3x-test")
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[3:])
+    validate_parsed_serve_args(args)
+    parsed = EngineArgs.from_cli_args(args)
+    for key, want in kw.items():
+        got = getattr(parsed, key)
+        if key == "kv_transfer_config":
+            got = {k: getattr(got, k) for k in want}
+        elif key == "attention_backend":
+            got = getattr(got, "name", got)  # a name or its enum
+        assert got == want, key
+    assert args.served_model_name == ["eagle3x-test"] and args.port == 8000
+
+
+@pytest.mark.vllm
 def test_the_server_writes_its_card(server, tiny_verifier):
     from eagle3x.verifier import default_aux_layers, fingerprint
 
