@@ -661,13 +661,12 @@ def _mla_on_cpu(w: World) -> List[Problem]:
     rank = w.info.raw.get("kv_lora_rank")  # raw: the language model's config already
     if not rank:
         return []
-    dtype = str(w.cfg.engine.dtype)
-    bf16 = dtype in ("auto", "bfloat16")
-    if _cpu_has_amx() and bf16:
+    dtype, amx = str(w.cfg.engine.dtype), _cpu_has_amx()
+    if amx and dtype in ("auto", "bfloat16"):
         return []
     arch = ", ".join(w.info.architectures) or "this verifier"
-    where = ("without AMX" if not _cpu_has_amx() else
-             f"in engine.dtype={dtype} (its AMX backend runs bfloat16 alone)")
+    where = (f"in engine.dtype={dtype} (its AMX backend runs bfloat16 alone)" if amx
+             else "without AMX")
     return [Problem("eval.live", f"{arch} uses multi-head latent attention (kv_lora_rank="
                     f"{rank}): on vLLM's CPU build {where} its MLA layers and the draft's "
                     "attention have no common KV-cache block size (CPU_MLA: 16; CPU_ATTN: "
@@ -675,7 +674,7 @@ def _mla_on_cpu(w: World) -> List[Problem]:
                     value="true",
                     hint="drop eval.live here (the offline eval still runs), run "
                          "stage=eval eval.live=true on a GPU node"
-                         + ("" if not _cpu_has_amx() else ", or engine.dtype=bfloat16"))]
+                         + (", or engine.dtype=bfloat16" if amx else ""))]
 
 
 def resume_checkpoint(w: World) -> List[Problem]:
