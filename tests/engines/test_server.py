@@ -79,7 +79,10 @@ def test_the_server_command_is_the_in_process_engine_as_vllm_reads_it(mla, dtype
                     trust_remote_code=False, gpu_memory_utilization=0.3,
                     max_num_batched_tokens=None, mla=mla)
     kw = engine_kwargs(Path("/models/v"), [1, 3, 4], 8, 512, "/shared/x", settings)
-    assert ("attention_backend" in kw) == (mla and dtype == "float32")
+    from vllm.platforms import current_platform
+
+    cpu_mla = mla and dtype == "float32" and current_platform.is_cpu()
+    assert kw.get("attention_backend") == ("CPU_MLA" if cpu_mla else None)
     argv = serve_argv(Path("/models/v"), kw, "127.0.0.1", 8000, "eagle3x-test")
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[3:])
