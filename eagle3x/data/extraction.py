@@ -402,6 +402,7 @@ def extract(plan: RunPlan, settings: ExtractConfig, engine_name: str,
 
     engine = _Engine(open_engine, engine_name)
     t_start = time.perf_counter()
+    t_end = None  # before the engine shuts down (vLLM takes seconds), which is not extraction
     new_tokens = 0
     try:
         with _exclusive(out, "another eagle3x process is extracting into this folder"):
@@ -439,9 +440,10 @@ def extract(plan: RunPlan, settings: ExtractConfig, engine_name: str,
                 new_tokens += tokens
                 _record_run(out, m, engine, m["samples"] - before, tokens,
                             time.perf_counter() - t0 - (engine.load_s - load0))
+            t_end = time.perf_counter()
     finally:
         engine.close()
-    wall = time.perf_counter() - t_start - engine.load_s
+    wall = (t_end or time.perf_counter()) - t_start - engine.load_s
     total_tokens = sum(s["tokens"] for s in m["shards"])
     total_bytes = sum(s["bytes"] for s in m["shards"])
     log.info("extracted %d new samples (%d tokens, %.0f tok/s) in %.1fs (+%.1fs engine start); folder holds %d samples, "
