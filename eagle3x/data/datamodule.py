@@ -318,8 +318,10 @@ def online_features(plan: RunPlan, source: HiddenStates, hidden: HiddenConfig,
         settings = source.engine
         if settings.device == "auto" and device and device.startswith("cuda"):
             settings = dataclasses.replace(settings, device=device)
+        # vLLM's captures pass through a hidden temporary folder in the run folder,
+        # removed with the engine: nothing is left behind
         return open_engine(settings, plan.verifier, plan.aux_layer_ids,
-                           source.extract.max_seq_len, plan.run_dir / "online-scratch")
+                           source.extract.max_seq_len, plan.run_dir)
 
     data = prepared.load(plan.prepared.folder)
     head = _teacher_head(plan)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from itertools import islice
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,8 +90,12 @@ def test_online_batches_are_the_offline_batches_with_a_real_vllm_engine(cli, sto
         worst = assert_same_batches(first_batches(off, 6), first_batches(on, 6), 1e-4)
         assert worst < 1e-4
         assert_same_batches(list(off.val_dataloader()), list(on.val_dataloader()), 1e-4)
+        scratch = Path(on.features.engine.scratch)  # vLLM's captures pass through it
     finally:
         on.close()
+    run_dir = on.online.args[0].run_dir  # (the plan online_features was given)
+    assert scratch.parent == run_dir and not scratch.exists()
+    assert not [p for p in run_dir.rglob("*") if "scratch" in p.name]  # nothing left behind
 
 
 def test_stage_all_online_stores_no_hidden_states_and_reports_the_wait(cli, store, tmp_path):
