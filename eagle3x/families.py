@@ -29,6 +29,13 @@ from typing import Optional, Sequence, Tuple
 VLLM_TESTED = "0.32"
 
 
+#: engine.dtype values in which vLLM's CPU build runs MLA layers (DeepSeek, Kimi) with its
+#: AMX backend, which takes bfloat16 alone (vllm/v1/attention/backends/mla/amx_mla.py,
+#: `supported_dtypes`); `auto` is bfloat16 on a CPU. Read by startup's live-eval check and
+#: by the engines, which ask for CPU_MLA in any other dtype.
+AMX_MLA_DTYPES = ("auto", "bfloat16")
+
+
 #: Why torchvision may be missing here, said wherever a vLLM class needs it.
 TORCHVISION_HINT = (" (the README's CPU install removes torchvision: its PyPI wheels are "
                     "CUDA builds; install the torchvision built for this torch to use vLLM "

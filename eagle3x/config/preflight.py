@@ -658,11 +658,13 @@ def _mla_on_cpu(w: World) -> List[Problem]:
     block size is chosen after the draft loads, and a size exists."""
     if w.info is None or visible_gpus() > 0:
         return []
+    from eagle3x.families import AMX_MLA_DTYPES
+
     rank = w.info.raw.get("kv_lora_rank")  # raw: the language model's config already
     if not rank:
         return []
     dtype, amx = str(w.cfg.engine.dtype), _cpu_has_amx()
-    if amx and dtype in ("auto", "bfloat16"):
+    if amx and dtype in AMX_MLA_DTYPES:
         return []
     arch = ", ".join(w.info.architectures) or "this verifier"
     where = (f"in engine.dtype={dtype} (its AMX backend runs bfloat16 alone)" if amx

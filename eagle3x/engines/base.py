@@ -54,7 +54,9 @@ def mla_attention(settings: Dict[str, Any]) -> Dict[str, Any]:
     bfloat16, float16, ..."). In any other dtype the reference CPU_MLA backend, which
     takes any dtype, is asked for by name: what vLLM picks itself without AMX. Empty on
     GPUs, for other verifiers and for bfloat16 (vLLM's `auto` on a CPU)."""
-    if not settings.get("mla") or str(settings.get("dtype")) in ("auto", "bfloat16"):
+    from eagle3x.families import AMX_MLA_DTYPES
+
+    if not settings.get("mla") or str(settings.get("dtype")) in AMX_MLA_DTYPES:
         return {}
     from vllm.platforms import current_platform
 
