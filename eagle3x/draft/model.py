@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 import torch.nn as nn
 import torch.nn.functional as F
 
+from eagle3x.draft.attention import cu_seqlens_from_docs, fused_reason, fused_ttt_attention
 from eagle3x.weights import rms_norm
 
 
@@ -52,11 +53,14 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding (Llama's rotate-half layout). x: [B, heads, T, D]; positions: [B, T]."""
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float,
+         token_major: bool = False) -> torch.Tensor:
+    """Rotary embedding (Llama's rotate-half layout). x: [B, heads, T, D] (or [B, T, heads,
+    D] with `token_major`); positions: [B, T]."""
     d = x.shape[-1]
     inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    ang = positions.float()[:, None, :, None] * inv  # [B, 1, T, D/2]
+    pos = positions.float()[:, :, None, None] if token_major else positions.float()[:, None, :, None]
+    ang = pos * inv  # [B, 1, T, D/2] (token-major: [B, T, 1, D/2])
     cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     rotated = torch.cat([-x2, x1], dim=-1)
@@ -65,6 +69,9 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
 
 class Attention(nn.Module):
     block = 512  # positions per attention block past which memory stays linear in T
+    #: "auto": the fused kernel (draft/attention.py) where the device and dtype have one,
+    #: else the reference below; "fused" / "reference" force one (`train.attention`)
+    impl = "auto"
 
     def __init__(self, s: DraftShape):
         super().__init__()
@@ -83,17 +90,53 @@ class Attention(nn.Module):
         q, k = rope(q, positions, s.rope_theta), rope(k, positions, s.rope_theta)
         return q, k, v  # k, v: num_kv_heads (ttt_attention repeats them for each query head)
 
+    def qkv_tokens(self, x: torch.Tensor, positions: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """q [B, T, heads, D], k and v [B, T, kv heads, D] (the fused kernel's layout)."""
+        b, t, _ = x.shape
+        s = self.s
+        q = rope(self.q_proj(x).view(b, t, s.num_heads, s.head_dim), positions, s.rope_theta,
+                 token_major=True)
+        k = rope(self.k_proj(x).view(b, t, s.num_kv_heads, s.head_dim), positions,
+                 s.rope_theta, token_major=True)
+        v = self.v_proj(x).view(b, t, s.num_kv_heads, s.head_dim)
+        return q, k, v
+
+    def uses_fused(self, x: torch.Tensor) -> bool:
+        """Whether this call takes the fused kernel: `impl`, and for "auto" whether the
+        device has one for the dtype q will have (autocast's, else the weights')."""
+        if self.impl == "reference":
+            return False
+        if self.impl == "fused":
+            return True
+        kind = x.device.type
+        dtype = (torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind)
+                 else self.q_proj.weight.dtype)
+        return fused_reason(x.device, dtype, self.s.head_dim) is None
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 cache: List[Tuple[torch.Tensor, torch.Tensor]],
-                docs: Optional[torch.Tensor] = None) -> torch.Tensor:
+                docs: Optional[torch.Tensor] = None,
+                cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Training-time-test attention. cache[0] holds the step-0 keys/values of every
         position (causal); cache[1:] hold earlier draft steps, seen only at the same
         position (the chain a drafted token extends). The new step is appended. `docs`
-        [B, T] (packed rows): a position sees only positions of its own document."""
+        [B, T] (packed rows): a position sees only positions of its own document;
+        `cu_seqlens` (the fused kernel's segments of the flattened positions: documents
+        and padding tails, attention.cu_seqlens_from_docs) saves deriving them from
+        `docs`. The cache's layout follows the path: every step of one unroll takes the
+        same one."""
+        b, t = x.shape[:2]
+        scale = 1.0 / math.sqrt(self.s.head_dim)
+        if self.uses_fused(x):
+            q, k, v = self.qkv_tokens(x, positions)
+            cache.append((k, v))
+            if cu_seqlens is None and docs is not None:
+                cu_seqlens = cu_seqlens_from_docs(docs)
+            out = fused_ttt_attention(q, cache, scale, cu_seqlens)
+            return self.o_proj(out.reshape(b, t, -1))
         q, k, v = self.qkv(x, positions)
         cache.append((k, v))
-        out = ttt_attention(q, cache, 1.0 / math.sqrt(self.s.head_dim), self.block, docs)
-        b, t = x.shape[:2]
+        out = ttt_attention(q, cache, scale, self.block, docs)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -174,12 +217,16 @@ class MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.mlp = MLP(s)
 
-    def forward(self, embeds, hidden, positions, cache, docs=None):
+    #: recompute the MLP in backward (rather than keep its 4 x intermediate activations
+    #: per position) when a batch holds more positions than this (`train.checkpoint_mlp_tokens`)
+    checkpoint_mlp_tokens = 16384
+
+    def forward(self, embeds, hidden, positions, cache, docs=None, cu_seqlens=None):
         residual = hidden
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        h = self.self_attn(x, positions, cache, docs) + residual
-        if h.shape[1] > self.self_attn.block and torch.is_grad_enabled():
-            # long sequences: the MLP (4 x intermediate per position) is recomputed in
+        h = self.self_attn(x, positions, cache, docs, cu_seqlens) + residual
+        if h.shape[0] * h.shape[1] > self.checkpoint_mlp_tokens and torch.is_grad_enabled():
+            # long batches: the MLP (4 x intermediate per position) is recomputed in
             # backward rather than kept, the largest per-position term of a step
             return checkpoint(self._mlp, h, use_reentrant=False) + h
         return self._mlp(h) + h
@@ -211,24 +258,28 @@ class Eagle3Draft(nn.Module):
 
     def unroll_hidden(self, aux: torch.Tensor, token_ids: torch.Tensor, steps: int,
                       positions: Optional[torch.Tensor] = None,
-                      docs: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+                      docs: Optional[torch.Tensor] = None,
+                      cu_seqlens: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
         """Training-time test over a whole sequence, stopping before the head.
 
         aux [B, T, 3Ht]: verifier features at each position; token_ids [B, T + steps]:
         the tokens each step reads (step k at position t reads token_ids[:, t + k]).
         Returns each step's pre-norm hidden state [B, T, H]; `head(h)` gives its logits.
         Packed rows (several samples each) pass each position's document id in `docs` and
-        its position within the document in `positions`.
+        its position within the document in `positions` (and may pass the documents as
+        segment offsets, `cu_seqlens`, for the fused attention kernel).
         """
         b, t, _ = aux.shape
         if positions is None:
             positions = torch.arange(t, device=aux.device).expand(b, t)
         hidden = self.fc(aux)
+        if docs is not None and cu_seqlens is None and self.midlayer.self_attn.uses_fused(hidden):
+            cu_seqlens = cu_seqlens_from_docs(docs)  # once, not at every step
         cache: List = []
         out = []
         for k in range(steps):
             hidden = self.midlayer(self.embed_tokens(token_ids[:, k:k + t]), hidden,
-                                   positions + k, cache, docs)
+                                   positions + k, cache, docs, cu_seqlens)
             out.append(hidden)
         return out
 
