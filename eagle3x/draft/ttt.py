@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Dict, List, Optional
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from eagle3x.draft.model import Eagle3Draft
 from eagle3x.weights import verifier_logits
@@ -64,68 +63,188 @@ def valid_mask(loss_mask: torch.Tensor, lengths: torch.Tensor, k: int,
     return (pos + 2 + k < end) & shift(loss_mask, 2 + k).bool()
 
 
+def trained_positions(loss_mask: torch.Tensor, lengths: torch.Tensor, steps: int,
+                      doc_end: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+    """Per step k < `steps`, the flat indices (row * T + t) of the positions whose step-k
+    prediction is trained (`valid_mask`). The collate functions compute them on the host
+    with the batch, so the training step never waits on the device to learn them."""
+    return [valid_mask(loss_mask, lengths, k, doc_end).flatten().nonzero().squeeze(1)
+            for k in range(steps)]
+
+
+#: Up to this many bytes the verifier's distribution over the draft vocabulary is computed
+#: once per batch for every position and shared by the steps; past it, per chunk of rows
+#: (steps x the teacher's matmul, no [positions, vocab] table).
+TEACHER_TABLE_BYTES = 2 << 30
+
+
+class Teacher:
+    """The verifier's distribution over the draft vocabulary at given flat positions, and
+    its greedy token over its full vocabulary (accuracy). From the stored last hidden
+    states through the verifier's head (a table computed once per batch, or per chunk of
+    rows past TEACHER_TABLE_BYTES), or from a stored top-k teacher (data/compact.py)."""
+
+    def __init__(self, draft: Eagle3Draft, batch: Dict[str, torch.Tensor], head: torch.Tensor,
+                 softcap: Optional[float], scale: float, greedy: bool, chunk: int):
+        vd = draft.shape.draft_vocab_size
+        self.vd, self.softcap, self.scale = vd, softcap, scale
+        self.table = self.last = self.topk = None
+        self.greedy: Optional[torch.Tensor] = None
+        if "topk_ids" in batch:
+            ids, logp = batch["topk_ids"], batch["topk_logp"]
+            self.topk = (ids.reshape(-1, ids.shape[-1]), logp.reshape(-1, logp.shape[-1]),
+                         draft_index(draft))
+            if greedy:
+                self.greedy = self.topk[0][:, 0].long()
+            return
+        last = batch["last_hidden"]
+        flat = last.reshape(-1, last.shape[-1])
+        targets = torch.arange(vd, device=head.device) + draft.d2t
+        self.head = head[targets]  # [Vd, Ht]
+        kind = flat.device.type
+        table_dtype = (torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind)
+                       else torch.float32)
+        with torch.no_grad():
+            if greedy:  # over the full vocabulary, rows bounded so logits stay <= 512 MB
+                rows = max(1, min(chunk, (1 << 27) // head.shape[0]))
+                self.greedy = torch.cat([
+                    verifier_logits(flat[a:a + rows], head, softcap, scale).argmax(-1)
+                    for a in range(0, flat.shape[0], rows)])
+            size = flat.shape[0] * vd * torch.finfo(table_dtype).bits // 8
+            if size <= TEACHER_TABLE_BYTES:
+                self.table = torch.empty(flat.shape[0], vd, dtype=table_dtype,
+                                         device=flat.device)
+                for a in range(0, flat.shape[0], chunk):
+                    self.table[a:a + chunk] = torch.softmax(verifier_logits(
+                        flat[a:a + chunk], self.head, softcap, scale), -1)
+            else:
+                self.last = flat
+
+    def probs(self, rows: torch.Tensor) -> torch.Tensor:
+        """float32 [len(rows), draft vocab]: the teacher at flat positions `rows`."""
+        if self.table is not None:
+            return self.table[rows].float()
+        if self.topk is not None:
+            ids, logp, index = self.topk
+            return topk_distribution(ids[rows], logp[rows], index, self.vd)
+        return torch.softmax(verifier_logits(self.last[rows], self.head, self.softcap,
+                                             self.scale), -1)
+
+
+class FusedSoftCE(torch.autograd.Function):
+    """sum_k weights[k] * CE_k, where CE_k = sum over step k's rows of the soft
+    cross-entropy of the draft's logits (x_k @ W^T, W the lm_head) against the teacher.
+    The gradients are computed in the forward pass chunk by chunk (dCE/dlogits =
+    softmax(logits) * sum(p) - p), so no [rows, vocab] buffer outlives its chunk and
+    nothing is recomputed in backward; backward scales them. Also returns each step's
+    CE_k and, with a greedy teacher, how many rows' top-1 (as a target id) is the
+    verifier's greedy token (both detached)."""
+
+    @staticmethod
+    def forward(ctx, teacher: Teacher, rows: List[torch.Tensor], d2t: torch.Tensor,
+                weights: torch.Tensor, chunk: int, want_grad: bool, w: torch.Tensor,
+                *xs: torch.Tensor):
+        kind = w.device.type
+        cdt = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else w.dtype
+        grad_w = want_grad and ctx.needs_input_grad[6]
+        with torch.autocast(kind, enabled=False):
+            wc = w.to(cdt)
+            gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if grad_w else None
+            ces, hits, gxs = [], [], []
+            for k, x in enumerate(xs):
+                grad_x = want_grad and ctx.needs_input_grad[7 + k]
+                gx = torch.empty_like(x) if grad_x else None
+                ce = torch.zeros((), dtype=torch.float32, device=w.device)
+                hit = torch.zeros((), dtype=torch.long, device=w.device)
+                for a in range(0, x.shape[0], chunk):
+                    xc = x[a:a + chunk].to(cdt)
+                    tgt = rows[k][a:a + chunk]
+                    z = xc @ wc.T
+                    logq = torch.log_softmax(z.float(), -1)
+                    p = teacher.probs(tgt)
+                    ce = ce - (p * logq).sum()
+                    if teacher.greedy is not None:
+                        top = z.argmax(-1)
+                        hit = hit + (top + d2t[top] == teacher.greedy[tgt]).sum()
+                    if grad_x or grad_w:
+                        dz = ((logq.exp() * p.sum(-1, keepdim=True) - p) * weights[k]).to(cdt)
+                        if grad_x:
+                            gx[a:a + chunk] = (dz @ wc).to(x.dtype)
+                        if grad_w:
+                            gw += (dz.T @ xc).float()
+                ces.append(ce)
+                hits.append(hit)
+                gxs.append(gx)
+            ce_all = torch.stack(ces) if ces else torch.zeros(0, device=w.device)
+            loss = (ce_all * weights).sum()
+        ctx.w_dtype = w.dtype
+        ctx.save_for_backward(gw, *gxs)  # saved, so autograd's saved-tensor hooks see them
+        ctx.mark_non_differentiable(ce_all)
+        hits_all = torch.stack(hits) if hits else torch.zeros(0, device=w.device)
+        ctx.mark_non_differentiable(hits_all)
+        return loss, ce_all, hits_all
+
+    @staticmethod
+    def backward(ctx, g, _ce, _hits):
+        gw, *gxs = ctx.saved_tensors
+        gw = None if gw is None else (gw * g).to(ctx.w_dtype)
+        gxs = [None if gx is None else gx * g.to(gx.dtype) for gx in gxs]
+        return (None, None, None, None, None, None, gw, *gxs)
+
+
 def ttt_step_metrics(draft: Eagle3Draft, batch: Dict[str, torch.Tensor], head: torch.Tensor,
                      steps: int, step_weight: float, chunk: int = 2048,
-                     softcap: Optional[float] = None,
-                     scale: float = 1.0) -> Dict[str, torch.Tensor]:
+                     softcap: Optional[float] = None, scale: float = 1.0,
+                     denominators: Optional[torch.Tensor] = None,
+                     accuracy: bool = True) -> Dict[str, torch.Tensor]:
     """Weighted soft cross-entropy over `steps` unrolled steps, plus loss_k / acc_k each
     (and ce_k, the summed cross-entropy, and count_k, its positions, for other reductions).
 
-    Only trained positions reach the heads. Up to `chunk` positions per step the draft's
-    and the verifier's logits over the draft vocabulary are computed at once; beyond it
-    `chunk` rows at a time, each recomputed in backward rather than kept, so no
-    [positions, vocab] buffer lives across steps (memory linear in T, small in vocab).
+    `loss` = sum_k step_weight**k * ce_k / denominators[k]; the denominators default to
+    this batch's counts (several processes pass the global counts / world: the global
+    token mean). Only trained positions reach the heads: the batch's `select` (flat
+    indices per step, `trained_positions`; computed here when absent) picks them, so no
+    host synchronisation happens inside the step when the collate function made them.
+    The teacher's distribution over the draft vocabulary is computed once per batch
+    (`Teacher`); the loss runs `chunk` rows at a time with its gradients formed on the
+    way (`FusedSoftCE`): memory linear in T, small in vocab, nothing recomputed.
+    `accuracy=False` skips acc_k and the verifier's greedy token over its full
+    vocabulary (a [positions, verifier vocab] matmul the loss does not need).
     `softcap` and `scale`: what the verifier applies after its lm_head (VerifierInfo).
     """
     ids = batch["input_ids"]
     b, t = ids.shape
-    targets_of_draft = torch.arange(draft.shape.draft_vocab_size, device=head.device) + draft.d2t
-    topk = "topk_ids" in batch
-    if topk:  # the stored top-k teacher: nothing to compute from hidden states
-        whole, teacher_head, index = False, None, draft_index(draft)
-        tgt = {"greedy": batch["topk_ids"][..., 0].long()}
-    else:
-        last = batch["last_hidden"]
-        # A batch of at most `chunk` positions: the verifier's log-probs over the draft vocab
-        # once for all positions and steps. Longer: recomputed per chunk from the stored states.
-        whole, index = b * t <= chunk, None
-        tgt = verifier_targets(last, head, targets_of_draft, greedy_only=not whole,
-                               softcap=softcap, scale=scale)
-        teacher_head = None if whole else head[targets_of_draft]  # [Vd, Ht]
+    select = batch.get("select")
+    if select is None:
+        select = trained_positions(batch["loss_mask"], batch["lengths"], steps,
+                                   batch.get("doc_end"))
+    counts = batch.get("counts")
+    if counts is None:
+        counts = torch.tensor([len(r) for r in select], device=ids.device)
+    counts = counts[:steps]
+    if denominators is None:
+        denominators = counts.clamp(min=1).float()
+    weights = torch.tensor([step_weight ** k for k in range(steps)], device=ids.device,
+                           dtype=torch.float32) / denominators
+    teacher = Teacher(draft, batch, head, softcap, scale, accuracy, chunk)
     tokens = torch.cat([shift(ids, 1), ids.new_zeros(ids.shape[0], steps)], dim=1)
     hidden = draft.unroll_hidden(batch["aux_hidden"].to(draft.fc.weight.dtype), tokens, steps,
-                                 batch.get("positions"), batch.get("docs"))
-    out: Dict[str, torch.Tensor] = {}
-    total = hidden[0].new_zeros((), dtype=torch.float32)
-    for k, hk in enumerate(hidden):
-        rows, cols = valid_mask(batch["loss_mask"], batch["lengths"], k,
-                                batch.get("doc_end")).nonzero(as_tuple=True)
-        h = hk[rows, cols]
-        if topk:
-            teacher = batch["topk_ids"][rows, cols + 1 + k]
-            teacher_logp = batch["topk_logp"][rows, cols + 1 + k]
-        else:
-            teacher = (tgt["logp"] if whole else last)[rows, cols + 1 + k]
-            teacher_logp = None
-        ce, hits = hk.new_zeros((), dtype=torch.float32), 0
-        for a in range(0, max(len(rows), 1), chunk):
-            args = (draft, teacher_head, h[a:a + chunk], teacher[a:a + chunk],
-                    None if teacher_logp is None else teacher_logp[a:a + chunk], index,
-                    softcap, scale)
-            if len(rows) > chunk and torch.is_grad_enabled():
-                ce_c, pred = checkpoint(_soft_ce, *args, use_reentrant=False)
-            else:
-                ce_c, pred = _soft_ce(*args)
-            ce = ce + ce_c
-            greedy = tgt["greedy"][rows[a:a + chunk], cols[a:a + chunk] + 1 + k]
-            hits = hits + (pred == greedy).sum()
-        n = torch.tensor(len(rows), device=hk.device)
-        loss_k = ce / n.clamp(min=1)
-        total = total + (step_weight ** k) * loss_k
-        out[f"loss_{k}"], out[f"ce_{k}"], out[f"count_{k}"] = loss_k.detach(), ce, n
-        out[f"acc_{k}"] = torch.as_tensor(hits, device=hk.device).float() / n.clamp(min=1)
-    out["loss"] = total
-    out["accept_len"] = expected_accept_length([out[f"acc_{k}"] for k in range(steps)])
+                                 batch.get("positions"), batch.get("docs"),
+                                 batch.get("cu_seqlens"))
+    xs = [draft.norm(hk.reshape(b * t, -1).index_select(0, select[k]))
+          for k, hk in enumerate(hidden)]
+    rows = [select[k] + 1 + k for k in range(steps)]
+    want_grad = torch.is_grad_enabled()
+    loss, ce, hits = FusedSoftCE.apply(teacher, rows, draft.d2t, weights, chunk, want_grad,
+                                       draft.lm_head.weight, *xs)
+    n = counts.clamp(min=1)
+    out: Dict[str, torch.Tensor] = {"loss": loss}
+    for k in range(steps):
+        out[f"loss_{k}"], out[f"ce_{k}"], out[f"count_{k}"] = (ce[k] / n[k]).detach(), ce[k], counts[k]
+        if accuracy:
+            out[f"acc_{k}"] = hits[k].float() / n[k]
+    if accuracy:
+        out["accept_len"] = expected_accept_length([out[f"acc_{k}"] for k in range(steps)])
     return out
 
 
@@ -149,27 +268,6 @@ def topk_distribution(ids: torch.Tensor, logp: torch.Tensor, index: torch.Tensor
     w = w / w.sum(-1, keepdim=True).clamp(min=1e-30)
     return torch.zeros(ids.shape[0], draft_vocab, device=ids.device).scatter_add_(
         1, d.clamp(min=0), w)
-
-
-def _soft_ce(draft: Eagle3Draft, teacher_head: Optional[torch.Tensor], hidden: torch.Tensor,
-             teacher: torch.Tensor, teacher_logp: Optional[torch.Tensor] = None,
-             index: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
-             scale: float = 1.0):
-    """(sum over rows of the soft cross-entropy of the draft's logits against the verifier's
-    distribution over the draft vocabulary, the draft's top-1 as target ids). `teacher`:
-    the verifier's log-probs over the draft vocab, or (with `teacher_head`) its last
-    hidden states, or (with `teacher_logp` and `index`) its top-k token ids."""
-    logits = draft.head(hidden)
-    with torch.no_grad():
-        if teacher_logp is not None:
-            p = topk_distribution(teacher, teacher_logp, index, logits.shape[-1])
-        elif teacher_head is None:
-            p = teacher.exp()
-        else:
-            p = torch.log_softmax(verifier_logits(teacher, teacher_head, softcap, scale),
-                                  -1).exp()
-        pred = draft.draft_to_target(logits.argmax(-1))
-    return -(p * torch.log_softmax(logits.float(), -1)).sum(), pred
 
 
 def expected_accept_length(accs: List[torch.Tensor]) -> torch.Tensor:

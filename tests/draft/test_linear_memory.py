@@ -1,7 +1,9 @@
-"""The linear-memory training-time test (blocked, recomputed attention; chunked loss) against
-the dense implementation it replaced (tests/draft/dense_ttt.py), in float32 on random
-inputs: every step's logits, every metric, every gradient. And the property it exists for:
-what autograd keeps for backward grows linearly in T, where the dense path's grows as T^2.
+"""The linear-memory training-time test (blocked, recomputed attention, or the fused kernel;
+chunked loss with its gradients formed in the forward pass) against the dense
+implementation it replaced (tests/draft/dense_ttt.py), in float32 on random inputs: every
+step's logits, every metric, every gradient, for both attention paths. And the property
+it exists for: what autograd keeps for backward grows linearly in T, where the dense
+path's grows as T^2.
 """
 
 from __future__ import annotations
@@ -17,9 +19,13 @@ from eagle3x.draft.ttt import shift, ttt_step_metrics
 from tests.draft.dense_ttt import dense_step_metrics, dense_unroll
 
 H, TH, VD, VT = 32, 24, 20, 50
+#: both attention paths: the blocked reference (model.ttt_attention) and the fused kernel
+#: (draft/attention.py; on the CPU its flash kernel, on CUDA the variable-length one)
+IMPLS = ["reference", "fused"]
 
 
-def draft_and_batch(seed: int, t: int, lengths, heads: int = 4, kv: int = 2, block: int = 8):
+def draft_and_batch(seed: int, t: int, lengths, heads: int = 4, kv: int = 2, block: int = 8,
+                    impl: str = "auto"):
     g = torch.Generator().manual_seed(seed)
     s = DraftShape(hidden_size=H, target_hidden_size=TH, intermediate_size=48, num_heads=heads,
                    num_kv_heads=kv, head_dim=8, draft_vocab_size=VD, target_vocab_size=VT)
@@ -32,6 +38,7 @@ def draft_and_batch(seed: int, t: int, lengths, heads: int = 4, kv: int = 2, blo
         for p in draft.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=g))
     draft.midlayer.self_attn.block = block
+    draft.midlayer.self_attn.impl = impl
     b = len(lengths)
     batch = {"input_ids": torch.randint(1, VT, (b, t), generator=g),
              "loss_mask": torch.randint(0, 2, (b, t), generator=g, dtype=torch.uint8),
@@ -50,10 +57,12 @@ def grads(draft: Eagle3Draft, loss: torch.Tensor) -> Dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("t,block,heads,kv", [(37, 8, 4, 2), (37, 8, 2, 2), (16, 16, 4, 1),
                                               (40, 13, 4, 4)])
-def test_blocked_attention_gives_the_dense_logits_and_gradients_at_every_step(t, block, heads, kv):
-    draft, batch, _ = draft_and_batch(1, t, [t, t - 5], heads, kv, block)
+def test_blocked_attention_gives_the_dense_logits_and_gradients_at_every_step(t, block, heads, kv,
+                                                                              impl):
+    draft, batch, _ = draft_and_batch(1, t, [t, t - 5], heads, kv, block, impl)
     ids = batch["input_ids"]
     tokens = torch.cat([shift(ids, 1), ids.new_zeros(ids.shape[0], 5)], dim=1)
     new = draft.unroll(batch["aux_hidden"], tokens, 5)
@@ -69,9 +78,10 @@ def test_blocked_attention_gives_the_dense_logits_and_gradients_at_every_step(t,
         assert (g_new[n] - g_old[n]).abs().max() / scale < 1e-5, n
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("chunk", [1, 7, 10 ** 6])
-def test_chunked_loss_gives_the_dense_metrics_and_gradients(chunk):
-    draft, batch, head = draft_and_batch(2, 29, [29, 20, 11], block=8)
+def test_chunked_loss_gives_the_dense_metrics_and_gradients(chunk, impl):
+    draft, batch, head = draft_and_batch(2, 29, [29, 20, 11], block=8, impl=impl)
     new = ttt_step_metrics(draft, batch, head, 4, 0.8, chunk=chunk)
     old = dense_step_metrics(draft, batch, head, 4, 0.8)
     for k in range(4):
@@ -88,7 +98,8 @@ def test_chunked_loss_gives_the_dense_metrics_and_gradients(chunk):
 
 
 def test_the_default_block_keeps_short_sequences_on_the_dense_path_bit_for_bit():
-    draft, batch, _ = draft_and_batch(3, 30, [30], block=512)
+    # the reference path (train.attention=reference): up to one block it is the dense code
+    draft, batch, _ = draft_and_batch(3, 30, [30], block=512, impl="reference")
     ids = batch["input_ids"]
     tokens = torch.cat([shift(ids, 1), ids.new_zeros(1, 3)], dim=1)
     for a, b in zip(draft.unroll(batch["aux_hidden"], tokens, 3),
@@ -110,9 +121,10 @@ def saved_bytes(fn) -> int:
     return sum(seen.values())
 
 
-def test_what_backward_keeps_grows_linearly_in_t_where_the_dense_path_grows_quadratically():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_what_backward_keeps_grows_linearly_in_t_where_the_dense_path_grows_quadratically(impl):
     def kept(t: int, dense: bool) -> int:
-        draft, batch, head = draft_and_batch(4, t, [t], heads=4, kv=4, block=16)
+        draft, batch, head = draft_and_batch(4, t, [t], heads=4, kv=4, block=16, impl=impl)
         ref = copy.deepcopy(draft)
         if dense:
             return saved_bytes(lambda: dense_step_metrics(ref, batch, head, 4, 0.8)["loss"])
@@ -141,15 +153,16 @@ def samples_for(seed: int, lengths) -> list:
     return out
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("block,chunk", [(512, 2048), (8, 5)])
-def test_a_packed_batch_gives_the_unpacked_batchs_loss_accuracy_and_gradients(block, chunk):
+def test_a_packed_batch_gives_the_unpacked_batchs_loss_accuracy_and_gradients(block, chunk, impl):
     from eagle3x.data.datamodule import collate, collate_packed
 
     samples = samples_for(5, [23, 9, 7, 14, 3, 12, 6])
     packed, plain = collate_packed(samples), collate(samples)
     assert packed["input_ids"].shape[0] < plain["input_ids"].shape[0]  # fewer rows
     assert int(packed["lengths"].sum()) == int(plain["lengths"].sum())
-    draft, _, head = draft_and_batch(6, 8, [8], block=block)
+    draft, _, head = draft_and_batch(6, 8, [8], block=block, impl=impl)
     a = ttt_step_metrics(draft, packed, head, 4, 0.8, chunk=chunk)
     ga = grads(draft, a["loss"])
     b = ttt_step_metrics(draft, plain, head, 4, 0.8, chunk=chunk)
@@ -181,3 +194,59 @@ def test_packing_keeps_every_sample_whole_in_one_row_with_its_own_positions():
             ids = p["input_ids"][r, where]
             found.append(next(i for i, s in enumerate(samples) if torch.equal(s["input_ids"], ids)))
     assert sorted(found) == list(range(len(samples)))
+
+
+# --------------------------------------------------------------------------------------
+# The loss: teacher once per batch, trained positions from the loader, gradients in forward
+# --------------------------------------------------------------------------------------
+
+def test_the_loaders_trained_positions_give_the_loss_computed_without_them():
+    from eagle3x.data.datamodule import collate_packed
+
+    samples = samples_for(11, [19, 8, 13, 5])
+    with_sel, bare = collate_packed(samples, steps=4), collate_packed(samples)
+    draft, _, head = draft_and_batch(12, 8, [8], impl="fused")
+    a = ttt_step_metrics(draft, with_sel, head, 4, 0.8)
+    ga = grads(draft, a["loss"])
+    b = ttt_step_metrics(draft, bare, head, 4, 0.8)
+    gb = grads(draft, b["loss"])
+    assert torch.equal(a["loss"].detach(), b["loss"].detach())
+    assert all(torch.equal(ga[n], gb[n]) for n in gb)
+
+
+def test_the_teacher_per_chunk_of_rows_gives_the_once_per_batch_table(monkeypatch):
+    import eagle3x.draft.ttt as ttt
+
+    draft, batch, head = draft_and_batch(13, 27, [27, 19], impl="fused")
+    a = ttt_step_metrics(draft, batch, head, 3, 0.8, chunk=7)
+    ga = grads(draft, a["loss"])
+    monkeypatch.setattr(ttt, "TEACHER_TABLE_BYTES", 0)  # every chunk from the stored states
+    b = ttt_step_metrics(draft, batch, head, 3, 0.8, chunk=7)
+    gb = grads(draft, b["loss"])
+    for k in range(3):
+        assert float(a[f"loss_{k}"]) == pytest.approx(float(b[f"loss_{k}"]), rel=1e-6)
+        assert float(a[f"acc_{k}"]) == float(b[f"acc_{k}"])
+    for n in gb:
+        assert torch.allclose(ga[n], gb[n], rtol=1e-5, atol=1e-7), n
+
+
+def test_without_accuracy_the_loss_and_gradients_are_the_same_and_no_acc_is_reported():
+    draft, batch, head = draft_and_batch(14, 21, [21, 16], impl="fused")
+    a = ttt_step_metrics(draft, batch, head, 3, 0.8)
+    ga = grads(draft, a["loss"])
+    b = ttt_step_metrics(draft, batch, head, 3, 0.8, accuracy=False)
+    gb = grads(draft, b["loss"])
+    assert torch.equal(a["loss"].detach(), b["loss"].detach())
+    assert all(torch.equal(ga[n], gb[n]) for n in gb)
+    assert "acc_0" in a and not any(k.startswith("acc_") for k in b) and "accept_len" not in b
+
+
+def test_the_loss_divides_each_steps_cross_entropy_by_the_given_denominators():
+    draft, batch, head = draft_and_batch(15, 18, [18, 12], impl="fused")
+    den = torch.tensor([3.0, 5.0, 7.0])
+    m = ttt_step_metrics(draft, batch, head, 3, 0.5, denominators=den)
+    want = sum(0.5 ** k * m[f"ce_{k}"] / den[k] for k in range(3))
+    assert float(m["loss"].detach()) == pytest.approx(float(want), rel=1e-6)
+    plain = ttt_step_metrics(draft, batch, head, 3, 0.5)
+    assert float(plain["loss"].detach()) == pytest.approx(
+        sum(0.5 ** k * float(plain[f"loss_{k}"]) for k in range(3)), rel=1e-6)
