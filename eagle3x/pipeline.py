@@ -94,6 +94,7 @@ STAGES: Tuple[StageSpec, ...] = (
                   Problem("trainer", why) for why in [train.precheck(s.trainer)] if why],
               checks=(preflight.logger_installed, preflight.wandb_credentials,
                       preflight.trainer_devices, preflight.resume_checkpoint,
+                      preflight.train_batches,
                       preflight.online_engine, preflight.vllm_family,
                       preflight.engine_memory, preflight.online_memory,
                       preflight.hidden_servers)),

@@ -688,6 +688,31 @@ def resume_checkpoint(w: World) -> List[Problem]:
     return []
 
 
+def train_batches(w: World) -> List[Problem]:
+    """train: a token-sized batch holds the longest sample (train.max_tokens >=
+    extract.max_seq_len), and train.attention=fused has its kernel: on a GPU the CUDA
+    flash kernel takes bfloat16 / float16 (draft/attention.py fused_reason), so the
+    trainer's precision must give one."""
+    t, problems = w.cfg.train, []
+    if t.max_tokens is not None and t.max_tokens < w.cfg.extract.max_seq_len:
+        problems.append(Problem(
+            "train.max_tokens", f"a batch of {t.max_tokens} tokens cannot hold a sample of "
+            f"extract.max_seq_len={w.cfg.extract.max_seq_len} tokens.", value=str(t.max_tokens),
+            where=_given(w.overrides, "train.max_tokens"),
+            hint=f"train.max_tokens >= {w.cfg.extract.max_seq_len}, or a lower extract.max_seq_len"))
+    precision = str(w.cfg.trainer.precision)
+    half = precision.startswith(("bf16", "16"))
+    if (t.attention.value == "fused" and not _trains_on_cpu(w.cfg.trainer) and visible_gpus()
+            and not half):
+        problems.append(Problem(
+            "train.attention", f"the fused attention's CUDA flash kernel takes bfloat16 or "
+            f"float16, and trainer.precision={precision} trains in float32.", value="fused",
+            where=_given(w.overrides, "train.attention"),
+            hint="trainer.precision=bf16-mixed, or train.attention=auto (the reference "
+                 "attention in float32)"))
+    return problems
+
+
 def notices(cfg: Eagle3xConfig, runs: Sequence[str]) -> List[str]:
     """What a valid run should know before it starts (printed, never refused)."""
     out = []

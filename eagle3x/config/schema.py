@@ -273,6 +273,14 @@ class VocabConfig:
     output_dir: Optional[str] = None
 
 
+class AttentionImpl(Enum):
+    """How the training-time-test attention is computed (eagle3x/draft/attention.py)."""
+
+    auto = "auto"  # the fused kernel where the device has one for the dtype, else reference
+    fused = "fused"  # flash kernels: CPU (float32 / bf16), CUDA (bf16 / fp16)
+    reference = "reference"  # dense scores, block by block past train.attention_block
+
+
 @dataclass
 class TrainConfig:
     ttt_steps: int = at_least(1, 7)
@@ -281,14 +289,26 @@ class TrainConfig:
     warmup_steps: int = at_least(0, 50)
     weight_decay: float = 0.0
     batch_size: int = at_least(1, 4)
-    num_workers: int = at_least(0, 0)
+    # Token-sized batches: as many samples as fit in this many tokens, packed into one
+    # row of exactly this width (one shape for every step: short samples fill the GPU),
+    # instead of batch_size samples. At least extract.max_seq_len; null: batch_size.
+    max_tokens: Optional[int] = at_least(64, None, "must be at least 64, or null (batch_size samples)")
+    # Loader processes reading and decoding shards ahead of the step; null: up to 4 on a
+    # GPU (pinned memory, copies that do not block), none on the CPU or online.
+    num_workers: Optional[int] = at_least(0, None, "must be 0 or more, or null (auto)")
     freeze_embeddings: bool = True
     intermediate_size: Optional[int] = None
-    # Memory in sequence length T: past this many positions the training-time-test
-    # attention runs block by block, recomputing each block in backward (linear in T).
+    # The training-time-test attention: auto (the fused flash kernel where the device has
+    # one for the dtype: CPU float32/bf16, CUDA bf16/fp16; else reference), fused, reference.
+    attention: AttentionImpl = AttentionImpl.auto
+    # Reference attention, memory in sequence length T: past this many positions it runs
+    # block by block, recomputing each block in backward (linear in T).
     attention_block: int = at_least(16, 512)
-    # Positions per chunk of the loss's [positions, draft vocab] logits (recomputed in
-    # backward past one chunk), so no step keeps a [T, vocab] buffer.
+    # Past this many positions in a batch the MLP is recomputed in backward instead of
+    # keeping its activations (4 x intermediate per position and step).
+    checkpoint_mlp_tokens: int = at_least(0, 16384)
+    # Positions per chunk of the loss's [positions, draft vocab] logits (the gradients are
+    # formed chunk by chunk in the forward pass), so no step keeps a [T, vocab] buffer.
     loss_chunk: int = at_least(64, 2048)
     # Pack each training batch's samples into fewer rows (documents kept apart in
     # attention and in the training-time test): the same loss, less padding computed.

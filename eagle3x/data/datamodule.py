@@ -67,8 +67,9 @@ class OnlineDataset(Dataset):
         self.features.schedule([[self.indices[p] for p in b] for b in batches])
 
 
-def collate(samples: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
-    """Right-pad to the longest sample; `lengths` marks the real tokens."""
+def collate(samples: List[Dict[str, torch.Tensor]], steps: int = 0) -> Dict[str, torch.Tensor]:
+    """Right-pad to the longest sample; `lengths` marks the real tokens. With `steps` (the
+    training-time-test steps), also each step's trained positions (`with_positions`)."""
     lengths = torch.tensor([len(s["input_ids"]) for s in samples])
     t = int(lengths.max())
     out: Dict[str, torch.Tensor] = {"lengths": lengths}
@@ -78,18 +79,21 @@ def collate(samples: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
         for i, s in enumerate(samples):
             buf[i, : len(s[key])] = s[key]
         out[key] = buf
-    return out
+    return with_positions(out, steps)
 
 
-def collate_packed(samples: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+def collate_packed(samples: List[Dict[str, torch.Tensor]], steps: int = 0,
+                   width: Optional[int] = None) -> Dict[str, torch.Tensor]:
     """The same samples packed into as few rows as first-fit-decreasing allows, each row as
-    long as the longest sample (no sample is split): less padding to compute. Each
-    position carries its document in the row (`docs`, -1 for padding), its position in
-    that document (`positions`) and where the document ends (`doc_end`); `lengths` is
-    each row's filled length. The draft's attention and training-time test keep the
-    documents apart, so a packed batch gives the unpacked batch's loss and accuracy."""
+    long as the longest sample, or `width` (a fixed shape: token-sized batches), no sample
+    split: less padding to compute. Each position carries its document in the row
+    (`docs`, -1 for padding), its position in that document (`positions`) and where the
+    document ends (`doc_end`); `lengths` is each row's filled length; `cu_seqlens` cuts
+    the flattened positions into the documents and padding tails (the fused attention
+    kernel's segments). The draft's attention and training-time test keep the documents
+    apart, so a packed batch gives the unpacked batch's loss and accuracy."""
     lengths = [len(s["input_ids"]) for s in samples]
-    cap = max(lengths)
+    cap = max(max(lengths), width or 0)
     rows: List[List[int]] = []
     fill: List[int] = []
     for i in sorted(range(len(samples)), key=lambda i: (-lengths[i], i)):
@@ -109,6 +113,7 @@ def collate_packed(samples: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Te
     docs = torch.full((b, cap), -1, dtype=torch.long)
     positions = torch.zeros(b, cap, dtype=torch.long)
     doc_end = torch.zeros(b, cap, dtype=torch.long)
+    cuts = [0]
     for r, members in enumerate(rows):
         at = 0
         for d, i in enumerate(members):
@@ -119,7 +124,45 @@ def collate_packed(samples: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Te
             positions[r, at:at + n] = torch.arange(n)
             doc_end[r, at:at + n] = at + n
             at += n
-    out.update(docs=docs, positions=positions, doc_end=doc_end)
+            cuts.append(r * cap + at)
+        if at < cap:
+            cuts.append((r + 1) * cap)
+    out.update(docs=docs, positions=positions, doc_end=doc_end,
+               cu_seqlens=torch.tensor(cuts, dtype=torch.int32))
+    return with_positions(out, steps)
+
+
+def with_positions(batch: Dict[str, torch.Tensor], steps: int) -> Dict[str, torch.Tensor]:
+    """Add the batch's real tokens as a host int (`n_tokens`: throughput without reading
+    the device) and, for `steps` > 0, each training-time-test step's trained positions
+    (`select`: flat indices, draft.ttt.trained_positions) and their counts (`counts`),
+    computed here on the host so the training step never waits on the device for them."""
+    batch["n_tokens"] = int(batch["lengths"].sum())  # real tokens, readable on the host
+    if steps > 0:
+        from eagle3x.draft.ttt import trained_positions
+
+        select = trained_positions(batch["loss_mask"], batch["lengths"], steps,
+                                   batch.get("doc_end"))
+        batch["select"] = select
+        batch["counts"] = torch.tensor([len(x) for x in select])
+    return batch
+
+
+def token_batches(order: Sequence[int], lengths: Sequence[int], max_tokens: int) -> List[List[int]]:
+    """`order` cut into consecutive micro-batches of at most `max_tokens` tokens each (a
+    sample longer than that alone; startup refuses train.max_tokens < extract.max_seq_len)."""
+    out: List[List[int]] = []
+    cur: List[int] = []
+    used = 0
+    for i in order:
+        n = int(lengths[i])
+        if cur and used + n > max_tokens:
+            out.append(cur)
+            cur, used = [], 0
+        cur.append(int(i))
+        used += n
+    if cur:
+        out.append(cur)
     return out
 
 
@@ -127,45 +170,88 @@ class StepBatchSampler:
     """Batches as a function of the seed and the global sample index, whatever the number
     of processes.
 
-    Optimizer step s reads the global batch of G = batch_size x world x accumulate samples
-    at positions s*G .. s*G+G-1 of the sample stream; epoch e of the stream is a
-    permutation seeded by (seed, e), cut to whole global batches. Micro-batch i of that
-    step on rank r of `world` reads the `batch_size` samples at offset (i*world + r) *
-    batch_size. So one process with batch_size=G and two with G/2 train on the same
-    samples at every step, and a run resumed on another number of processes (same G)
-    continues where it stopped (a global batch larger than the data: all of it, for one
-    process; refused with several, whose slices would repeat samples).
+    Each epoch e of the sample stream is a permutation seeded by (seed, e), cut into
+    micro-batches: `batch_size` samples each, or (`max_tokens`, token-sized batches) as
+    many consecutive samples as fit in `max_tokens` tokens (`token_batches`, by the
+    samples' `lengths`). Optimizer step s reads the next world x accumulate micro-batches
+    of the stream (the global batch); micro-batch i of that step on rank r of `world` is
+    the (i*world + r)-th of them. An epoch ends at its last whole global batch. So one
+    process with batch_size=G and two with G/2 train on the same samples at every step
+    (sample-count batches), and a run resumed on another number of processes with the
+    same global batch continues where it stopped (a global batch larger than the data:
+    all of it, for one process; refused with several, whose slices would repeat samples).
     Iteration starts at micro-batch `start()`.
     """
 
     def __init__(self, n: int, batch_size: int, seed: int, start: Callable[[], int],
                  rank: int = 0, world: int = 1, accumulate: int = 1, total: int = 10 ** 9,
                  ahead: Optional[Callable[[List[List[int]]], None]] = None, ahead_n: int = 0,
-                 horizon: Optional[int] = None):
-        if world * accumulate == 1:
-            batch_size = min(batch_size, n)  # a batch larger than the data: all of it
-        elif batch_size * world * accumulate > n:
-            from eagle3x.data.conversations import DataError
+                 horizon: Optional[int] = None, lengths: Optional[Sequence[int]] = None,
+                 max_tokens: Optional[int] = None):
+        from eagle3x.data.conversations import DataError
 
-            raise DataError(
-                f"the global batch ({batch_size} x {world} processes x {accumulate} "
-                f"accumulated = {batch_size * world * accumulate} samples) is larger than the "
-                f"{n} training samples; lower train.batch_size or use more data")
+        if max_tokens is not None and lengths is None:
+            raise ValueError("token-sized batches need the samples' lengths")
+        if max_tokens is None:
+            if world * accumulate == 1:
+                batch_size = min(batch_size, n)  # a batch larger than the data: all of it
+            elif batch_size * world * accumulate > n:
+                raise DataError(
+                    f"the global batch ({batch_size} x {world} processes x {accumulate} "
+                    f"accumulated = {batch_size * world * accumulate} samples) is larger than "
+                    f"the {n} training samples; lower train.batch_size or use more data")
         self.n, self.bs, self.seed, self.start = n, batch_size, seed, start
+        self.lengths, self.max_tokens = lengths, max_tokens
         self.rank, self.world, self.accumulate, self.total = rank, world, accumulate, total
+        self.per_step = world * accumulate  # micro-batches in one global batch
         self.global_batch = batch_size * world * accumulate
-        self.per_epoch = max(n // self.global_batch, 1)
+        if max_tokens is not None and len(self._epoch(0)) < self.per_step:
+            raise DataError(
+                f"the global batch ({world} processes x {accumulate} accumulated micro-batches "
+                f"of train.max_tokens={max_tokens}) needs more tokens than the "
+                f"{n} training samples hold; lower train.max_tokens or use more data")
+        self._steps_before: List[int] = [0]  # global steps before epoch e (grown lazily)
         #: told the `ahead_n` batches after each one handed out (online hidden states),
         #: none at or past micro-batch `horizon` (the run's last: nothing made for nothing)
         self.ahead, self.ahead_n = ahead, ahead_n
         self.horizon = min(total, horizon if horizon is not None else total)
 
+    def _epoch(self, epoch: int) -> List[List[int]]:
+        """Epoch `epoch`'s micro-batches, cut to whole global batches (the last two kept)."""
+        cache = self.__dict__.setdefault("_cuts", {})
+        if epoch in cache:
+            return cache[epoch]
+        perm = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+        if self.max_tokens is None:
+            cut = [perm[a:a + self.bs].tolist()
+                   for a in range(0, self.n - self.bs + 1, self.bs)]
+        else:
+            cut = token_batches(perm, self.lengths, self.max_tokens)
+        whole = max(len(cut) // self.per_step, 1) * self.per_step
+        if len(cache) >= 2:
+            cache.pop(next(iter(cache)))
+        cache[epoch] = cut[:whole]
+        return cache[epoch]
+
+    def _locate(self, step: int) -> tuple:
+        """(epoch, step within it) of global step `step`."""
+        while self._steps_before[-1] <= step:
+            e = len(self._steps_before) - 1
+            self._steps_before.append(self._steps_before[-1] + len(self._epoch(e)) // self.per_step)
+        e = int(np.searchsorted(self._steps_before, step, side="right")) - 1
+        return e, step - self._steps_before[e]
+
     def batch(self, micro: int) -> List[int]:
         step, i = divmod(micro, self.accumulate)
-        epoch, j = divmod(step, self.per_epoch)
-        perm = np.random.default_rng([self.seed, epoch]).permutation(self.n)
-        first = j * self.global_batch + (i * self.world + self.rank) * self.bs
-        return perm[first:first + self.bs].tolist()  # G <= n: within this epoch
+        epoch, j = self._locate(step)
+        return list(self._epoch(epoch)[j * self.per_step + i * self.world + self.rank])
+
+    def tokens_per_batch(self) -> float:
+        """Mean real tokens of a micro-batch over the first epoch (throughput figures)."""
+        first = self._epoch(0)
+        if self.lengths is None:
+            return float(self.bs)
+        return sum(int(self.lengths[i]) for b in first for i in b) / max(len(first), 1)
 
     def __iter__(self) -> Iterator[List[int]]:
         m = self.start()
@@ -189,9 +275,15 @@ class HiddenStateDataModule(L.LightningDataModule):
     """
 
     def __init__(self, hidden_dir: str | Path, split: Split, *, batch_size: int, seed: int = 0,
-                 num_workers: int = 0, verify: str = "size", pack: bool = True,
+                 num_workers: Optional[int] = 0, verify: str = "size", pack: bool = True,
                  source: Optional[HiddenStates] = None,
-                 online: Optional[Callable[[], Any]] = None):
+                 online: Optional[Callable[[], Any]] = None, steps: int = 0,
+                 max_tokens: Optional[int] = None):
+        """`steps`: the training-time-test steps, for which each batch carries its trained
+        positions (computed in the loader, not in the training step). `max_tokens`: batches
+        of as many samples as fit in that many tokens, each packed into one row of exactly
+        that width (one shape for every training batch), instead of `batch_size` samples.
+        `num_workers` None: loader processes chosen for the device (`loader_workers`)."""
         super().__init__()
         self.pack = pack
         self.hidden_dir, self.split, self.source = Path(hidden_dir), split, source
@@ -199,8 +291,10 @@ class HiddenStateDataModule(L.LightningDataModule):
         self.online, self.features = online, None
         self.batch_size, self.seed, self.num_workers, self.verify = (
             batch_size, seed, num_workers, verify)
+        self.steps, self.max_tokens = steps, max_tokens
         self.train_set: Optional[HiddenStateDataset] = None
         self.val_set: Optional[HiddenStateDataset] = None
+        self._sampler: Optional[StepBatchSampler] = None
 
     @classmethod
     def from_plan(cls, plan: RunPlan, train: TrainConfig, extract: ExtractConfig,
@@ -217,7 +311,8 @@ class HiddenStateDataModule(L.LightningDataModule):
             make = functools.partial(online_features, plan, source, hidden)
         return cls(plan.hidden.folder, plan.split, batch_size=train.batch_size, seed=train.seed,
                    num_workers=train.num_workers, verify=extract.verify.value,
-                   pack=train.pack, source=source, online=make)
+                   pack=train.pack, source=source, online=make, steps=train.ttt_steps,
+                   max_tokens=train.max_tokens)
 
     def prepare_data(self) -> None:
         """Make prepared data and hidden states when a source was handed over (online:
@@ -257,9 +352,39 @@ class HiddenStateDataModule(L.LightningDataModule):
 
     def mean_tokens_per_batch(self) -> float:
         """Average real tokens in a training batch (for throughput figures)."""
-        source = self.features if self.features is not None else self.train_set.reader
-        lengths = [source.length(i) for i in self.train_set.indices]
+        if self._sampler is not None and self.max_tokens is not None:
+            return self._sampler.tokens_per_batch()
+        lengths = self._lengths(self.train_set.indices)
         return sum(lengths) / max(len(lengths), 1) * min(self.batch_size, len(lengths))
+
+    def _lengths(self, indices: Sequence[int]) -> List[int]:
+        source = self.features if self.features is not None else self.train_set.reader
+        return [source.length(i) for i in indices]
+
+    def _device(self) -> Optional[torch.device]:
+        return self.trainer.strategy.root_device if self.trainer else None
+
+    def loader_workers(self) -> int:
+        """`num_workers`, or for None: worker processes that read and decode shards ahead
+        of a GPU's step (up to 4, the CPU cores shared by the local ranks); none on the
+        CPU, whose cores train, nor online (the engine lives in this process)."""
+        if self.num_workers is not None:
+            return self.num_workers
+        device = self._device()
+        if self.features is not None or device is None or device.type != "cuda":
+            return 0
+        import os
+
+        ranks = max(torch.cuda.device_count(), 1)
+        return max(1, min(4, (os.cpu_count() or 2) // (2 * ranks)))
+
+    def _loader(self, data: Dataset, collate_fn: Callable, **kw: Any) -> DataLoader:
+        workers = self.loader_workers()
+        device = self._device()
+        return DataLoader(data, collate_fn=collate_fn, num_workers=workers,
+                          pin_memory=device is not None and device.type == "cuda",
+                          persistent_workers=workers > 0,
+                          prefetch_factor=4 if workers > 0 else None, **kw)
 
     def train_dataloader(self) -> DataLoader:
         trainer = self.trainer
@@ -271,14 +396,22 @@ class HiddenStateDataModule(L.LightningDataModule):
             rank=trainer.global_rank if trainer else 0, world=trainer.world_size if trainer else 1,
             accumulate=accumulate,
             ahead=self.train_set.schedule if self.features is not None else None,
-            ahead_n=self.features.prefetch if self.features is not None else 0, horizon=last)
-        return DataLoader(self.train_set, batch_sampler=sampler,
-                          collate_fn=collate_packed if self.pack else collate,
-                          num_workers=self.num_workers)
+            ahead_n=self.features.prefetch if self.features is not None else 0, horizon=last,
+            lengths=self._lengths(self.train_set.indices) if self.max_tokens else None,
+            max_tokens=self.max_tokens)
+        self._sampler = sampler
+        if self.pack:
+            width = self.max_tokens
+            collate_fn = functools.partial(collate_packed, steps=self.steps, width=width)
+        else:
+            collate_fn = functools.partial(collate, steps=self.steps)
+        return self._loader(self.train_set, collate_fn, batch_sampler=sampler)
 
     def val_dataloader(self) -> Any:
         """The held-out samples; with several processes each takes every world-th one
-        (when there are enough for all), and the module sums the counts across ranks."""
+        (when there are enough for all), and the module sums the counts across ranks.
+        Token-sized training batches make token-sized validation batches too (the held-out
+        samples in order, packed)."""
         if not self.val_set or len(self.val_set) == 0:
             return []
         rank, world = ((self.trainer.global_rank, self.trainer.world_size) if self.trainer
@@ -288,8 +421,12 @@ class HiddenStateDataModule(L.LightningDataModule):
             mine = self.val_set.indices[rank::world]
             data = (OnlineDataset(self.features, mine) if self.features is not None
                     else HiddenStateDataset(self.val_set.reader, mine))
-        return DataLoader(data, batch_size=self.batch_size, collate_fn=collate,
-                          num_workers=self.num_workers)
+        if self.max_tokens is None:
+            return self._loader(data, functools.partial(collate, steps=self.steps),
+                                batch_size=self.batch_size)
+        batches = token_batches(range(len(data)), self._lengths(data.indices), self.max_tokens)
+        return self._loader(data, functools.partial(collate_packed, steps=self.steps),
+                            batch_sampler=batches)
 
     def val_sharded(self) -> bool:
         world = self.trainer.world_size if self.trainer else 1

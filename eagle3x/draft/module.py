@@ -42,14 +42,28 @@ class DraftModule(L.LightningModule):
             self.draft.norm.weight.copy_(find_tensor(path, FINAL_NORM_NAMES).float())
         self.draft.embed_tokens.weight.requires_grad_(not train["freeze_embeddings"])
         self.draft.midlayer.self_attn.block = train.get("attention_block", 512)
+        impl = train.get("attention", "auto")
+        self.draft.midlayer.self_attn.impl = getattr(impl, "value", impl)
+        self.draft.midlayer.checkpoint_mlp_tokens = train.get("checkpoint_mlp_tokens", 16384)
         self._val: Dict[str, list] = {}
 
-    def _metrics(self, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    def _metrics(self, batch: Dict[str, torch.Tensor], denominators: Optional[torch.Tensor] = None,
+                 accuracy: bool = True) -> Dict[str, torch.Tensor]:
         t = self.hparams.train
         return ttt_step_metrics(self.draft, batch, self.head, t["ttt_steps"], t["step_weight"],
                                 chunk=t.get("loss_chunk", 2048),
                                 softcap=self.hparams.get("logit_softcap"),
-                                scale=self.hparams.get("logit_scale", 1.0))
+                                scale=self.hparams.get("logit_scale", 1.0),
+                                denominators=denominators, accuracy=accuracy)
+
+    def _logging_now(self) -> bool:
+        """Whether Lightning writes this training step's metrics (every
+        trainer.log_every_n_steps): accuracy, which needs the verifier's greedy token over
+        its full vocabulary, and the gradient norm are computed only then."""
+        if self._trainer is None:
+            return True
+        connector = getattr(self.trainer, "_logger_connector", None)
+        return bool(getattr(connector, "should_update_logs", True))
 
     def _world(self) -> int:
         return self.trainer.world_size if self._trainer is not None else 1
@@ -58,33 +72,38 @@ class DraftModule(L.LightningModule):
         return self.trainer.strategy.reduce(x, reduce_op="sum") if self._world() > 1 else x
 
     def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        m = self._metrics(batch)
         steps, weight = self.hparams.train["ttt_steps"], self.hparams.train["step_weight"]
-        # Sums over every rank's batch (one process: this batch), so the loss each step
-        # reports and trains on is the global batch's whatever the number of processes.
-        ce = torch.stack([m[f"ce_{k}"] for k in range(steps)])
-        stats = self._sum_over_ranks(torch.stack([
-            ce.detach(), torch.stack([m[f"count_{k}"].float() for k in range(steps)]),
-            torch.stack([m[f"acc_{k}"] * m[f"count_{k}"] for k in range(steps)])]))
-        n = stats[1].clamp(min=1)
-        if self._world() > 1:
-            # DDP averages gradients over ranks: scaling by world makes that average the
-            # gradient of the global token mean, as one process with the whole batch has.
+        log_now = self._logging_now()
+        counts = batch.get("counts")
+        if counts is None:
+            from eagle3x.draft.ttt import trained_positions
+
+            batch["select"] = trained_positions(batch["loss_mask"], batch["lengths"], steps,
+                                                batch.get("doc_end"))
+            counts = torch.tensor([len(x) for x in batch["select"]], device=self.device)
+        counts = counts[:steps].float()
+        # The loss is the global batch's token mean whatever the number of processes: each
+        # step's cross-entropy over the positions of every rank's batch. DDP averages the
+        # gradients over ranks, so each rank divides by the global count / world.
+        world = self._world()
+        total = self._sum_over_ranks(counts) if world > 1 else counts
+        m = self._metrics(batch, denominators=total.clamp(min=1) / world, accuracy=log_now)
+        if log_now:  # read only when Lightning writes them: no device sync at other steps
+            ce = torch.stack([m[f"ce_{k}"] for k in range(steps)])
+            hits = torch.stack([m[f"acc_{k}"] * counts[k] for k in range(steps)])
+            stats = self._sum_over_ranks(torch.stack([ce, hits])) if world > 1 else torch.stack([ce, hits])
+            n = total.clamp(min=1)
             w = torch.tensor([weight ** k for k in range(steps)], device=ce.device)
-            loss = (w * ce / n).sum() * self._world()
-            accs = list(stats[2] / n)
-            logs = {"train/loss": (w * stats[0] / n).sum()}
-        else:
-            loss, accs = m["loss"], [m[f"acc_{k}"] for k in range(steps)]
-            logs = {"train/loss": m["loss"].detach()}
-        logs["train/accept_len"] = expected_accept_length(accs)
-        for k in range(steps):
-            logs[f"train/acc_{k}"] = accs[k]
-            logs[f"train/loss_{k}"] = stats[0][k] / n[k]
-        self.log_dict(logs, on_step=True, on_epoch=False, prog_bar=False,
-                      batch_size=int(batch["lengths"].numel()))
-        self.log("acc_0", accs[0], prog_bar=True, logger=False)
-        return loss
+            accs = list(stats[1] / n)
+            logs = {"train/loss": (w * stats[0] / n).sum(),
+                    "train/accept_len": expected_accept_length(accs)}
+            for k in range(steps):
+                logs[f"train/acc_{k}"] = accs[k]
+                logs[f"train/loss_{k}"] = stats[0][k] / n[k]
+            self.log_dict(logs, on_step=True, on_epoch=False, prog_bar=False,
+                          batch_size=int(batch["lengths"].numel()))
+            self.log("acc_0", accs[0], prog_bar=True, logger=False)
+        return m["loss"]
 
     def on_validation_epoch_start(self) -> None:
         self._val = {}
@@ -123,42 +142,60 @@ class DraftModule(L.LightningModule):
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         """The gradient norm the optimizer steps with (all ranks' gradients averaged,
         before clipping): `train/grad_norm`."""
-        from lightning.pytorch.utilities import grad_norm
+        if not self._logging_now():
+            return
+        grads = [p.grad for p in self.draft.parameters() if p.grad is not None]
+        if grads:  # on the device (Lightning's grad_norm reads every norm to the host)
+            total = torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(g.float()) for g in grads]))
+            self.log("train/grad_norm", total, on_step=True, on_epoch=False)
 
-        norms = grad_norm(self.draft, norm_type=2)
-        if norms:
-            self.log("train/grad_norm", norms["grad_2.0_norm_total"], on_step=True,
-                     on_epoch=False)
+    def _batch_unit(self) -> tuple:
+        """What a micro-batch is counted in: ("samples", "train.batch_size") or, with
+        token-sized batches, ("tokens", "train.max_tokens")."""
+        if self.hparams.train.get("max_tokens"):
+            return "tokens", "train.max_tokens"
+        return "samples", "train.batch_size"
 
     def _global_batch(self) -> int:
         t = self.trainer
-        return self.hparams.train["batch_size"] * t.world_size * t.accumulate_grad_batches
+        per = self.hparams.train[self._batch_unit()[1].split(".")[1]]
+        return per * t.world_size * t.accumulate_grad_batches
 
     def _ckpt_path(self) -> str:
         return str(getattr(self.trainer, "ckpt_path", None) or "the checkpoint")
 
     def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
-        checkpoint["eagle3x"] = {"global_batch": self._global_batch()}
+        checkpoint["eagle3x"] = {"global_batch": self._global_batch(),
+                                 "batch_unit": self._batch_unit()[0]}
 
     def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
-        saved = (checkpoint.get("eagle3x") or {}).get("global_batch")
-        if saved is not None and self._trainer is not None and saved != self._global_batch():
+        saved_info = checkpoint.get("eagle3x") or {}
+        saved = saved_info.get("global_batch")
+        unit, key = self._batch_unit()
+        saved_unit = saved_info.get("batch_unit", "samples")
+        if saved is not None and self._trainer is not None and (
+                saved != self._global_batch() or saved_unit != unit):
             t = self.trainer
             from eagle3x.artifacts import ArtifactError
 
             raise ArtifactError(
                 f"{self._ckpt_path()}: the checkpoint was trained with a global batch of "
-                f"{saved} samples per step; this run's is {self._global_batch()} (train.batch_size="
-                f"{self.hparams.train['batch_size']} x {t.world_size} processes x "
+                f"{saved} {saved_unit} per step; this run's is {self._global_batch()} {unit} "
+                f"({key}={self.hparams.train[key.split('.')[1]]} x {t.world_size} processes x "
                 f"trainer.accumulate_grad_batches={t.accumulate_grad_batches}). Resuming "
                 f"continues the same sample stream only with the same global batch: set "
-                f"train.batch_size to {saved} / (processes x accumulate_grad_batches).")
+                + (f"{key} to {saved} / (processes x accumulate_grad_batches)."
+                   if saved_unit == unit else
+                   f"train.max_tokens as the checkpoint's run did ({saved_unit}-sized batches)."))
 
     def configure_optimizers(self) -> Any:
         t = self.hparams.train
         params = [p for p in self.draft.parameters() if p.requires_grad]
+        # the fused CUDA kernel where every parameter is on a GPU (one launch per step)
+        fused = bool(params) and all(p.is_cuda for p in params)
         opt = torch.optim.AdamW(params, lr=t["lr"], weight_decay=t["weight_decay"],
-                                betas=(0.9, 0.95))
+                                betas=(0.9, 0.95), fused=fused or None)
         warmup, total = t["warmup_steps"], max(self.hparams.max_steps, 1)
 
         def factor(step: int) -> float:

@@ -35,11 +35,73 @@ def build_module(plan: RunPlan, train: TrainConfig, max_steps: int) -> Any:
     v = vocab.load(plan.vocab.folder)
     return DraftModule(
         shape=draft_shape(plan.verifier, len(v["d2t"]), train.intermediate_size),
-        train=dataclasses.asdict(train), verifier=str(plan.verifier.path),
+        train=plain(dataclasses.asdict(train)), verifier=str(plan.verifier.path),
         tied_head=plan.verifier.tied_head, aux_layer_ids=list(plan.aux_layer_ids),
         max_steps=max_steps, d2t=torch.from_numpy(v["d2t"]), t2d=torch.from_numpy(v["t2d"]),
         logit_softcap=plan.verifier.info.logit_softcap,
         logit_scale=plan.verifier.info.logit_scale)
+
+
+def plain(settings: dict) -> dict:
+    """Settings as json values (enums by value): a checkpoint's hyperparameters load with
+    weights_only=True only when they hold nothing else."""
+    from enum import Enum
+
+    return {k: v.value if isinstance(v, Enum) else v for k, v in settings.items()}
+
+
+def throughput_callback(skip: int = 5) -> Any:
+    """A Lightning callback measuring the loop's steady training speed: real tokens (the
+    batch's host-side `n_tokens`) per second of wall time from the end of optimizer step
+    `skip` to the end of training, less the time spent in validation; the device is
+    synchronised only at those boundaries. `result()` -> dict for the train summary."""
+    from lightning.pytorch.callbacks import Callback
+
+    class Throughput(Callback):
+        def __init__(self) -> None:
+            self.t0: Optional[float] = None
+            self.t1 = self.v0 = None
+            self.paused, self.tokens, self.batches = 0.0, 0, 0
+
+        @staticmethod
+        def _now(module: Any) -> float:
+            if module.device.type == "cuda":
+                import torch
+
+                torch.cuda.synchronize(module.device)
+            return time.perf_counter()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            if self.t0 is None:
+                if trainer.global_step >= skip:
+                    self.t0 = self._now(module)
+                return
+            self.tokens += int(batch.get("n_tokens", 0)) if isinstance(batch, dict) else 0
+            self.batches += 1
+
+        def on_validation_start(self, trainer, module) -> None:
+            if self.t0 is not None:
+                self.v0 = self._now(module)
+
+        def on_validation_end(self, trainer, module) -> None:
+            if self.v0 is not None:
+                self.paused += self._now(module) - self.v0
+                self.v0 = None
+
+        def on_train_end(self, trainer, module) -> None:
+            if self.t0 is not None:
+                self.t1 = self._now(module)
+
+        def result(self) -> dict:
+            if self.t0 is None or self.t1 is None or not self.batches:
+                return {}
+            seconds = self.t1 - self.t0 - self.paused
+            return {"tokens_per_second": self.tokens / max(seconds, 1e-9),
+                    "seconds": round(seconds, 3), "tokens": self.tokens,
+                    "micro_batches": self.batches, "after_step": skip,
+                    "validation_seconds": round(self.paused, 3), "per": "process"}
+
+    return Throughput()
 
 
 def make_trainer(t: TrainerConfig, out: Path, logger: Any) -> Any:
@@ -59,6 +121,8 @@ def make_trainer(t: TrainerConfig, out: Path, logger: Any) -> Any:
     callbacks = [ModelCheckpoint(dirpath=str(out / "checkpoints"), filename="step{step:06d}",
                                  auto_insert_metric_name=False,
                                  every_n_train_steps=every, save_last=True, save_top_k=-1)]
+    callbacks.append(throughput_callback(skip=min(5, max(t.max_steps // 4, 0))
+                                         if t.max_steps > 0 else 5))
     if logger:
         callbacks.append(LearningRateMonitor(logging_interval="step"))
     if t.enable_progress_bar and console.is_terminal():
@@ -169,6 +233,10 @@ def run(plan: RunPlan, train: TrainConfig, trainer: TrainerConfig, logger: Logge
         log.info("online hidden states: the trainer waited %.1fs of %.1fs (%.0f%%) for the "
                  "engine (%.1fs computing, %.1fs to start)", st["wait_s"], wall,
                  100 * st["wait_s"] / max(wall, 1e-9), st["compute_s"], st["engine_load_s"])
+    speed = next((cb.result() for cb in fitter.callbacks if hasattr(cb, "result")
+                  and type(cb).__name__ == "Throughput"), {})
+    if speed:
+        summary["throughput"] = speed
     if exp_logger and logger.name is LoggerName.wandb:
         summary["wandb_run_id"] = exp_logger.experiment.id
     artifacts.write_json_atomic(out / "train_summary.json", summary)

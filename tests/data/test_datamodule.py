@@ -182,3 +182,95 @@ def test_a_global_batch_larger_than_the_data_is_refused_on_several_processes():
         StepBatchSampler(6, 4, 0, start=lambda: 0, rank=0, world=2)
     with pytest.raises(DataError):
         StepBatchSampler(6, 4, 0, start=lambda: 0, accumulate=2)
+
+
+# --------------------------------------------------------------------------------------
+# Token-sized batches (train.max_tokens)
+# --------------------------------------------------------------------------------------
+
+LENGTHS = [5, 17, 3, 9, 12, 30, 7, 7, 21, 2, 14, 8, 11, 26, 4, 6, 19, 10, 3, 15]
+
+
+def token_sampler(max_tokens=40, seed=0, start=0, rank=0, world=1, accumulate=1,
+                  lengths=LENGTHS) -> StepBatchSampler:
+    return StepBatchSampler(len(lengths), 1, seed, start=lambda: start, rank=rank, world=world,
+                            accumulate=accumulate, lengths=lengths, max_tokens=max_tokens)
+
+
+def test_token_batches_cut_the_order_into_consecutive_runs_within_the_budget():
+    from eagle3x.data.datamodule import token_batches
+
+    order = list(range(len(LENGTHS)))[::-1]
+    cut = token_batches(order, LENGTHS, 40)
+    assert [i for b in cut for i in b] == order  # consecutive, nothing dropped or repeated
+    for b, nxt in zip(cut, cut[1:] + [None]):
+        used = sum(LENGTHS[i] for i in b)
+        assert used <= 40
+        if nxt is not None:  # the next sample would not have fitted
+            assert used + LENGTHS[nxt[0]] > 40
+    assert token_batches([0, 1], [50, 3], 40) == [[0], [1]]  # too long: alone
+
+
+def test_token_sized_batches_are_a_pure_function_of_seed_and_step():
+    a, b = token_sampler(seed=3), token_sampler(seed=3)
+    assert take(a, 12) == take(b, 12) == [a.batch(m) for m in range(12)]
+    assert take(token_sampler(seed=3, start=5), 7) == take(a, 12)[5:]
+    assert take(token_sampler(seed=4), 12) != take(a, 12)
+
+
+def test_each_token_sized_epoch_covers_each_sample_at_most_once_within_the_budget():
+    s = token_sampler(max_tokens=45, seed=1)
+    for epoch in range(3):
+        batches = s._epoch(epoch)
+        flat = [i for b in batches for i in b]
+        assert len(flat) == len(set(flat))
+        assert all(sum(LENGTHS[i] for i in b) <= 45 for b in batches)
+    assert take(s, len(s._epoch(0))) == s._epoch(0)  # epoch 0 first, then epoch 1
+    assert take(s, len(s._epoch(0)) + 1)[-1] == s._epoch(1)[0]
+
+
+@pytest.mark.parametrize("world,accumulate", [(2, 1), (1, 3), (2, 2)])
+def test_ranks_and_accumulation_share_one_token_sized_stream(world, accumulate):
+    """Every rank and accumulated micro-batch of a step takes its own micro-batch of the
+    one stream of the seed: together they read what one process with accumulate x world
+    micro-batches per step reads, and a resume at step s continues it."""
+    single = take(token_sampler(seed=2, accumulate=world * accumulate), 6 * world * accumulate)
+    ranks = [take(token_sampler(seed=2, rank=r, world=world, accumulate=accumulate),
+                  6 * accumulate) for r in range(world)]
+    for step in range(6):
+        got = [ranks[r][step * accumulate + a] for a in range(accumulate) for r in range(world)]
+        assert got == single[step * world * accumulate:(step + 1) * world * accumulate]
+    resumed = take(token_sampler(seed=2, rank=1 % world, world=world, accumulate=accumulate,
+                                 start=3 * accumulate), 3 * accumulate)
+    assert resumed == ranks[1 % world][3 * accumulate:]
+
+
+def test_a_token_budget_too_large_for_the_global_batch_is_refused():
+    from eagle3x.data.conversations import DataError
+
+    with pytest.raises(DataError, match="train.max_tokens"):
+        token_sampler(max_tokens=10 ** 6, world=2)
+    assert len(token_sampler(max_tokens=10 ** 6).batch(0)) == len(LENGTHS)  # one process: all
+
+
+def test_token_sized_batches_pack_into_one_row_of_exactly_the_budget():
+    from eagle3x.data.datamodule import collate_packed
+
+    samples = [sample(n, 10 * i) for i, n in enumerate([5, 9, 3])]
+    out = collate_packed(samples, width=32)
+    assert out["input_ids"].shape == (1, 32)
+    assert out["lengths"].tolist() == [17]
+    assert out["docs"][0, 17:].eq(-1).all() and out["loss_mask"][0, 17:].eq(0).all()
+
+
+def test_collate_hands_each_steps_trained_positions_to_the_training_step():
+    from eagle3x.data.datamodule import collate_packed
+    from eagle3x.draft.ttt import trained_positions
+
+    s = [sample(6, 1), sample(4, 20), sample(9, 40)]
+    s[1]["loss_mask"] = torch.tensor([0, 1, 1, 0], dtype=torch.uint8)
+    for batch in (collate(s, steps=3), collate_packed(s, steps=3)):
+        want = trained_positions(batch["loss_mask"], batch["lengths"], 3, batch.get("doc_end"))
+        assert [x.tolist() for x in batch["select"]] == [x.tolist() for x in want]
+        assert batch["counts"].tolist() == [len(x) for x in want]
+    assert "select" not in collate(s)

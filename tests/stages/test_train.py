@@ -187,6 +187,30 @@ def test_resume_from_an_explicit_checkpoint_path(fast_run, tmp_path):
     _assert_same_training(run, other)
 
 
+def test_token_sized_batches_train_resume_exactly_and_report_the_loops_speed(cli, store,
+                                                                             tmp_path):
+    """train.max_tokens: one packed row of 600 tokens per step; resumed from step 6's
+    checkpoint into another folder, the run ends with the same weights; a resume with
+    sample-count batches is refused naming the key; the summary has the loop's tokens/s."""
+    common = ["stage=train", "engine=hf", "logger=none", "trainer.max_steps=12",
+              "train.ttt_steps=3", "train.max_tokens=600", "extract.max_seq_len=512"]
+    whole = tmp_path / "whole"
+    r = cli(*common, f"train.output_dir={whole}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((whole / "train_summary.json").read_text())
+    speed = summary["throughput"]
+    assert speed["tokens_per_second"] > 0 and 0 < speed["tokens"] <= 600 * speed["micro_batches"]
+    assert 300 < summary["train_tokens_per_step"] <= 600  # rows filled with whole samples
+    other = tmp_path / "other"
+    ckpt = whole / "checkpoints" / "step000006.ckpt"
+    r = cli(*common, f"train.output_dir={other}", f"train.resume={ckpt}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    _assert_same_training(whole, other)
+    r = cli(*common[:-2], "extract.max_seq_len=512", f"train.output_dir={tmp_path / 'x'}",
+            f"train.resume={ckpt}")
+    assert r.returncode != 0 and "train.max_tokens" in r.stderr
+
+
 @pytest.mark.vllm
 def test_vllm_serves_the_export_as_an_eagle3_draft_with_identical_greedy_output(full_run,
                                                                                  tiny_verifier):
