@@ -3,9 +3,10 @@
 #   bench/gpu_check.sh                 # results in $OUT/gpu_results.json (or ./gpu_check_out)
 # On a CPU, as the test suite does:
 #   bench/gpu_check.sh --smoke --out /tmp/x
-# Python packages missing on the GPU machine travel as wheels in .whl/ (see README,
-# "GPU check"); they are installed into /tmp/site, never over the machine's torch.
-# The whole check stops itself after GPU_CHECK_LIMIT seconds (default 470, under 8 min).
+# Python packages missing on the GPU machine travel as wheels in .whl/ (bench/gpu_wheels.sh;
+# the device call carries it); they are installed into /tmp/site, never over the machine's
+# torch. Each part of the check has its own time limit within GPU_CHECK_LIMIT seconds
+# (default 470, under 8 min); the whole script is stopped 15 s after that at the latest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-$PWD/gpu_check_out}"
@@ -25,5 +26,6 @@ if compgen -G ".whl/*.whl" > /dev/null && [ ${#smoke[@]} -eq 0 ]; then
   export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 export PYTHONUNBUFFERED=1 EAGLE3X_CACHE="${EAGLE3X_CACHE:-/tmp/eagle3x-cache}"
-exec timeout --signal=TERM --kill-after=15 "${GPU_CHECK_LIMIT:-470}" \
+export GPU_CHECK_LIMIT="${GPU_CHECK_LIMIT:-470}"
+exec timeout --signal=TERM --kill-after=10 "$((GPU_CHECK_LIMIT + 5))" \
   $py bench/gpu_check.py --out "$out" "${smoke[@]}"
