@@ -89,7 +89,7 @@ STAGES: Tuple[StageSpec, ...] = (
               unless=lambda s: s.hidden.source is not HiddenSource.offline),
     StageSpec("vocab", vocab.run, checks=(preflight.vocab_inputs,)),
     StageSpec("train", train.run, sections=("train", "trainer", "logger", "extract", "engine",
-                                            "hidden"),
+                                            "hidden", "draft"),
               before=("regenerate", "prepare", "extract", "vocab"), precheck=lambda p, s: [
                   Problem("trainer", why) for why in [train.precheck(s.trainer)] if why],
               checks=(preflight.logger_installed, preflight.wandb_credentials,

@@ -448,7 +448,8 @@ def online_memory(w: World) -> List[Problem]:
         return []
     m = found[0]
     draft = draft_training_bytes(
-        draft_shape(plan.verifier, cfg.vocab.draft_vocab_size, cfg.train.intermediate_size),
+        draft_shape(plan.verifier, cfg.vocab.draft_vocab_size, cfg.train.intermediate_size,
+                    cfg.draft.options()),
         cfg.train.freeze_embeddings, cfg.trainer.precision)
     procs = 1 if on_gpu else training_processes(cfg.trainer)  # CPU ranks share its memory
     vllm = cfg.engine.name is EngineName.vllm
@@ -722,6 +723,17 @@ def notices(cfg: Eagle3xConfig, runs: Sequence[str]) -> List[str]:
                    "verifier's whenever their hidden sizes match (EAGLEWorkerV2.init_lm_head -> "
                    "set_embed), so under SGLang this draft runs with embeddings it was not "
                    "trained with.")
+    d = cfg.draft
+    set_ = [f"draft.{k}={'true' if v is True else v}" for k, v in d.options().items()
+            if v != getattr(type(d)(), k)]
+    if set_ and ({"train", "export"} & set(runs)):
+        # sglang/srt/models/llama_eagle3.py: LlamaModel reads none of the norm keys, and
+        # its BasicDecoderLayer (layers after the first) restarts the residual stream from
+        # the previous layer's MLP output instead of adding to it, as vLLM's layers do
+        out.append(f"{' '.join(set_)}: vLLM serves this draft as trained "
+                   "(llama_eagle3.py reads these keys); SGLang's EAGLE-3 Llama draft ignores the "
+                   "norm options and runs later layers without the running residual, so under "
+                   "SGLang this draft computes something else. Serve it with vLLM.")
     if "train" in runs and _trains_on_cpu(cfg.trainer) and cfg.trainer.precision == "16-mixed":
         # lightning/pytorch/trainer/connectors/accelerator_connector.py,
         # _AcceleratorConnector._check_and_init_precision: a warning, then bf16-mixed

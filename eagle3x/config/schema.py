@@ -273,6 +273,52 @@ class VocabConfig:
     output_dir: Optional[str] = None
 
 
+@dataclass
+class DraftConfig:
+    """The draft's architecture: what vLLM's EAGLE-3 Llama draft (llama_eagle3.py) reads
+    from the exported config.json. SGLang's reads none of these but num_layers, and runs
+    later layers differently: a draft using any of them is for vLLM (startup says so)."""
+
+    # decoder layers; the first reads [embedding, hidden], later ones the residual stream
+    num_layers: int = checked(1, lambda v: 1 <= v <= 8, "must be 1 to 8")
+    # an RMSNorm over the concatenated aux hidden states before fc
+    norm_before_fc: bool = False
+    # one RMSNorm per aux hidden state before fc
+    fc_norm: bool = False
+    # the first layer's residual stream starts from the normed hidden state
+    norm_before_residual: bool = False
+    # the next draft step reads the final norm's output, not the pre-norm hidden state
+    norm_output: bool = False
+
+    def options(self) -> Dict[str, Any]:
+        """The DraftShape fields these set (eagle3x.draft.model.DraftShape)."""
+        return {"num_layers": self.num_layers, "norm_before_fc": self.norm_before_fc,
+                "fc_norm": self.fc_norm, "norm_before_residual": self.norm_before_residual,
+                "norm_output": self.norm_output}
+
+
+class OptimizerName(Enum):
+    adamw = "adamw"
+    # Muon (torch.optim.Muon) for the decoder layers' and fc's matrices, AdamW for the
+    # rest (lm_head, embeddings, norms), as speculators splits them
+    muon = "muon"
+
+
+class Schedule(Enum):
+    """The learning rate after train.warmup_steps of linear warmup."""
+
+    cosine = "cosine"  # cosine down to train.min_lr_ratio x lr at max_steps
+    linear = "linear"  # linear down to train.min_lr_ratio x lr at max_steps
+    constant = "constant"
+
+
+class LossName(Enum):
+    """What each step's draft distribution is trained towards."""
+
+    soft = "soft"  # the verifier's distribution over the draft vocabulary (soft CE = forward KL)
+    hard = "hard"  # the verifier's most likely token in the draft vocabulary (plain CE)
+
+
 class AttentionImpl(Enum):
     """How the training-time-test attention is computed (eagle3x/draft/attention.py)."""
 
@@ -288,6 +334,18 @@ class TrainConfig:
     lr: float = checked(1e-4, lambda v: v > 0, "must be positive")
     warmup_steps: int = at_least(0, 50)
     weight_decay: float = 0.0
+    optimizer: OptimizerName = OptimizerName.adamw
+    # Muon's learning rate (null: train.lr)
+    muon_lr: Optional[float] = checked(None, lambda v: v is None or v > 0,
+                                       "must be positive, or null (train.lr)")
+    schedule: Schedule = Schedule.cosine
+    min_lr_ratio: float = checked(0.1, lambda v: 0 <= v <= 1, "must be in [0, 1]")
+    loss: LossName = LossName.soft
+    # Train towards the verifier's k most likely draft-vocabulary tokens only, renormalised
+    # (null: its whole distribution over the draft vocabulary)
+    teacher_topk: Optional[int] = at_least(1, None, "must be at least 1, or null (all)")
+    # Keep the lm_head at the verifier's rows (speculators' default) instead of training it
+    freeze_lm_head: bool = False
     batch_size: int = at_least(1, 4)
     # Token-sized batches: as many samples as fit in this many tokens, packed into one
     # row of exactly this width (one shape for every step: short samples fill the GPU),
@@ -388,6 +446,7 @@ class Eagle3xConfig:
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
     extract: ExtractConfig = field(default_factory=ExtractConfig)
     vocab: VocabConfig = field(default_factory=VocabConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

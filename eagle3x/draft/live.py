@@ -97,7 +97,7 @@ def parity(record: Dict[str, torch.Tensor], draft: Any, aux: torch.Tensor,
     ids0 = record["step_ids_0"][:n].long().tolist()
     if ids0 != list(prompt[1:]) + [first]:
         raise ValueError("the probe recorded another request's tokens")
-    hidden = draft.fc(feats[None])
+    hidden = draft.combine(feats[None])
     positions = torch.arange(n)[None]
     cache: List = []
     tokens = torch.tensor([list(prompt[1:]) + [first]])
@@ -108,7 +108,7 @@ def parity(record: Dict[str, torch.Tensor], draft: Any, aux: torch.Tensor,
     tokens1[0, -1] = int(record["logits_0"][-1].argmax())  # vLLM's proposal, as it fed it
     logits1, _ = draft.step(tokens1, h0, positions + 1, cache)
     return {
-        "aux_features": _rel(fc_in, feats),
+        "aux_features": _rel(fc_in, draft.fc_input(feats)),
         "fc": _rel(record["fc_out_0"][:n], hidden[0]),
         "step0_hidden": _rel(record["step_hidden_0"][:n], h0[0]),
         "step0_logits": _logits_error(record["logits_0"][-1], ours0),

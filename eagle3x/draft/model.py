@@ -1,12 +1,22 @@
 """The EAGLE-3 draft as a plain nn.Module, with the parameter names vLLM and SGLang load.
 
     fc        [H, 3*Ht]   concatenated aux hidden states of the verifier -> H
-    midlayer  one Llama decoder layer whose attention reads [norm(embed), norm(hidden)] (2H)
+              (optionally after `input_norm`, one RMSNorm over the 3*Ht concatenation,
+              and/or `fc_norm`, one RMSNorm per aux state: DraftShape.norm_before_fc,
+              .fc_norm)
+    midlayer  the first Llama decoder layer, whose attention reads [norm(embed), norm(hidden)]
+              (2H); `more_layers` the next ones (DraftShape.num_layers), plain Llama decoder
+              layers over the residual stream (exported as layers.1, layers.2, ...)
     norm      final RMSNorm;  lm_head [draft_vocab, H];  d2t / t2d vocabulary maps
 
 One draft step at position t reads the verifier feature (step 0) or its own previous
-pre-norm output (step k>0) together with the embedding of the next token, and returns
-logits over the draft vocabulary plus the pre-norm hidden state for the next step.
+output (step k>0) together with the embedding of the next token, and returns logits over
+the draft vocabulary plus the hidden state for the next step: the pre-norm output, or the
+normed one with DraftShape.norm_output. Every variant computes what vLLM's
+Eagle3LlamaForCausalLM (vllm/model_executor/models/llama_eagle3.py) computes from the same
+config.json keys: `LlamaDecoderLayer.forward` (the first layer's `_norm_before_residual` /
+`_norm_after_residual`, later layers' fused add + norm), `LlamaModel.forward` (the final
+norm and `norm_output`), `combine_hidden_states` (input_norm, then fc_norm, then fc).
 """
 
 from __future__ import annotations
@@ -38,6 +48,16 @@ class DraftShape:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
     num_aux: int = 3
+    #: decoder layers (vLLM serves several; SGLang's EAGLE-3 Llama draft one)
+    num_layers: int = 1
+    #: an RMSNorm over the concatenated aux states before fc (vLLM: norm_before_fc)
+    norm_before_fc: bool = False
+    #: one RMSNorm per aux state before fc (vLLM: fc_norm)
+    fc_norm: bool = False
+    #: the first layer's residual stream starts from the normed hidden state
+    norm_before_residual: bool = False
+    #: the next step reads the final norm's output instead of the pre-norm hidden state
+    norm_output: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -73,12 +93,13 @@ class Attention(nn.Module):
     #: else the reference below; "fused" / "reference" force one (`train.attention`)
     impl = "auto"
 
-    def __init__(self, s: DraftShape):
+    def __init__(self, s: DraftShape, in_size: Optional[int] = None):
         super().__init__()
         self.s = s
-        self.q_proj = nn.Linear(2 * s.hidden_size, s.num_heads * s.head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * s.hidden_size, s.num_kv_heads * s.head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * s.hidden_size, s.num_kv_heads * s.head_dim, bias=False)
+        d = in_size or 2 * s.hidden_size  # the first layer reads [embedding, hidden]
+        self.q_proj = nn.Linear(d, s.num_heads * s.head_dim, bias=False)
+        self.k_proj = nn.Linear(d, s.num_kv_heads * s.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, s.num_kv_heads * s.head_dim, bias=False)
         self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=False)
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor) -> Tuple[torch.Tensor, ...]:
@@ -208,7 +229,25 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class MidLayer(nn.Module):
+class _Layer(nn.Module):
+    #: recompute the MLP in backward (rather than keep its 4 x intermediate activations
+    #: per position) when a batch holds more positions than this (`train.checkpoint_mlp_tokens`)
+    checkpoint_mlp_tokens = 16384
+
+    def _mlp_out(self, h: torch.Tensor) -> torch.Tensor:
+        if h.shape[0] * h.shape[1] > self.checkpoint_mlp_tokens and torch.is_grad_enabled():
+            # long batches: the MLP (4 x intermediate per position) is recomputed in
+            # backward rather than kept, the largest per-position term of a step
+            return checkpoint(self._mlp, h, use_reentrant=False)
+        return self._mlp(h)
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.post_attention_layernorm(h))
+
+
+class MidLayer(_Layer):
+    """The first decoder layer: attention over [norm(embedding), norm(hidden)]."""
+
     def __init__(self, s: DraftShape):
         super().__init__()
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
@@ -216,23 +255,39 @@ class MidLayer(nn.Module):
         self.self_attn = Attention(s)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.mlp = MLP(s)
+        self.norm_before_residual = s.norm_before_residual
 
-    #: recompute the MLP in backward (rather than keep its 4 x intermediate activations
-    #: per position) when a batch holds more positions than this (`train.checkpoint_mlp_tokens`)
-    checkpoint_mlp_tokens = 16384
+    def split(self, embeds, hidden, positions, cache, docs=None, cu_seqlens=None):
+        """(MLP output, residual): their sum is the layer's output."""
+        if self.norm_before_residual:
+            hidden = self.hidden_norm(hidden)
+            residual, normed = hidden, hidden
+        else:
+            residual, normed = hidden, self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        h = self.self_attn(x, positions, cache, docs, cu_seqlens) + residual
+        return self._mlp_out(h), h
 
     def forward(self, embeds, hidden, positions, cache, docs=None, cu_seqlens=None):
-        residual = hidden
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        h = self.self_attn(x, positions, cache, docs, cu_seqlens) + residual
-        if h.shape[0] * h.shape[1] > self.checkpoint_mlp_tokens and torch.is_grad_enabled():
-            # long batches: the MLP (4 x intermediate per position) is recomputed in
-            # backward rather than kept, the largest per-position term of a step
-            return checkpoint(self._mlp, h, use_reentrant=False) + h
-        return self._mlp(h) + h
+        out, residual = self.split(embeds, hidden, positions, cache, docs, cu_seqlens)
+        return out + residual
 
-    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.post_attention_layernorm(h))
+
+class DecoderLayer(_Layer):
+    """A later decoder layer: a plain Llama layer over the residual stream (H in)."""
+
+    def __init__(self, s: DraftShape):
+        super().__init__()
+        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.self_attn = Attention(s, in_size=s.hidden_size)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.mlp = MLP(s)
+
+    def split(self, out, residual, positions, cache, docs=None, cu_seqlens=None):
+        residual = out + residual
+        h = self.self_attn(self.input_layernorm(residual), positions, cache, docs,
+                           cu_seqlens) + residual
+        return self._mlp_out(h), h
 
 
 class Eagle3Draft(nn.Module):
@@ -240,21 +295,69 @@ class Eagle3Draft(nn.Module):
         super().__init__()
         self.shape = s
         self.embed_tokens = nn.Embedding(s.target_vocab_size, s.hidden_size)
+        if s.norm_before_fc:
+            self.input_norm = RMSNorm(s.num_aux * s.target_hidden_size, s.rms_norm_eps)
+        if s.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(s.target_hidden_size, s.rms_norm_eps)
+                                         for _ in range(s.num_aux))
         self.fc = nn.Linear(s.num_aux * s.target_hidden_size, s.hidden_size, bias=False)
         self.midlayer = MidLayer(s)
+        if s.num_layers > 1:
+            self.more_layers = nn.ModuleList(DecoderLayer(s) for _ in range(s.num_layers - 1))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.lm_head = nn.Linear(s.hidden_size, s.draft_vocab_size, bias=False)
         self.register_buffer("d2t", d2t.long().clone())
         self.register_buffer("t2d", t2d.bool().clone())
 
+    def layers(self) -> List[_Layer]:
+        return [self.midlayer, *getattr(self, "more_layers", [])]
+
+    def set_layer_options(self, **options) -> None:
+        """Set attention / MLP options (impl, block, checkpoint_mlp_tokens) on every layer."""
+        for layer in self.layers():
+            for name, value in options.items():
+                target = layer if name == "checkpoint_mlp_tokens" else layer.self_attn
+                setattr(target, name, value)
+
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
+    def fc_input(self, aux: torch.Tensor) -> torch.Tensor:
+        """What fc reads of the verifier's concatenated aux states (vLLM's
+        combine_hidden_states: input_norm, then the per-state fc_norm)."""
+        if self.shape.norm_before_fc:
+            aux = self.input_norm(aux)
+        if self.shape.fc_norm:
+            aux = torch.cat([norm(chunk) for norm, chunk in
+                             zip(self.fc_norm, aux.chunk(self.shape.num_aux, dim=-1))], dim=-1)
+        return aux
+
+    def combine(self, aux: torch.Tensor) -> torch.Tensor:
+        """The first step's hidden state from the verifier's concatenated aux states."""
+        return self.fc(self.fc_input(aux))
+
+    def layers_forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                       cache: List, docs: Optional[torch.Tensor] = None,
+                       cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The decoder layers on one step: the pre-norm output. `cache` holds one list of
+        keys/values per layer (filled on the first call)."""
+        layers = self.layers()
+        if not cache:
+            cache.extend([] for _ in layers)
+        out, residual = layers[0].split(embeds, hidden, positions, cache[0], docs, cu_seqlens)
+        for layer, c in zip(layers[1:], cache[1:]):
+            out, residual = layer.split(out, residual, positions, c, docs, cu_seqlens)
+        return out + residual
+
+    def next_hidden(self, prenorm: torch.Tensor) -> torch.Tensor:
+        """What the next step reads of this step's output (vLLM's aux_output)."""
+        return self.norm(prenorm) if self.shape.norm_output else prenorm
+
     def step(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
              cache: List) -> Tuple[torch.Tensor, torch.Tensor]:
-        """One draft step: (logits over the draft vocab, pre-norm hidden for the next step)."""
-        h = self.midlayer(self.embed_tokens(token_ids), hidden, positions, cache)
-        return self.head(h), h
+        """One draft step: (logits over the draft vocab, the hidden state the next step reads)."""
+        h = self.layers_forward(self.embed_tokens(token_ids), hidden, positions, cache)
+        return self.head(h), self.next_hidden(h)
 
     def unroll_hidden(self, aux: torch.Tensor, token_ids: torch.Tensor, steps: int,
                       positions: Optional[torch.Tensor] = None,
@@ -272,15 +375,16 @@ class Eagle3Draft(nn.Module):
         b, t, _ = aux.shape
         if positions is None:
             positions = torch.arange(t, device=aux.device).expand(b, t)
-        hidden = self.fc(aux)
+        hidden = self.combine(aux)
         if docs is not None and cu_seqlens is None and self.midlayer.self_attn.uses_fused(hidden):
             cu_seqlens = cu_seqlens_from_docs(docs)  # once, not at every step
         cache: List = []
         out = []
         for k in range(steps):
-            hidden = self.midlayer(self.embed_tokens(token_ids[:, k:k + t]), hidden,
-                                   positions + k, cache, docs, cu_seqlens)
-            out.append(hidden)
+            h = self.layers_forward(self.embed_tokens(token_ids[:, k:k + t]), hidden,
+                                    positions + k, cache, docs, cu_seqlens)
+            out.append(h)
+            hidden = self.next_hidden(h)
         return out
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -41,10 +41,11 @@ class DraftModule(L.LightningModule):
             self.draft.lm_head.weight.copy_(head.float()[targets])
             self.draft.norm.weight.copy_(find_tensor(path, FINAL_NORM_NAMES).float())
         self.draft.embed_tokens.weight.requires_grad_(not train["freeze_embeddings"])
-        self.draft.midlayer.self_attn.block = train.get("attention_block", 512)
+        self.draft.lm_head.weight.requires_grad_(not train.get("freeze_lm_head", False))
         impl = train.get("attention", "auto")
-        self.draft.midlayer.self_attn.impl = getattr(impl, "value", impl)
-        self.draft.midlayer.checkpoint_mlp_tokens = train.get("checkpoint_mlp_tokens", 16384)
+        self.draft.set_layer_options(block=train.get("attention_block", 512),
+                                     impl=getattr(impl, "value", impl),
+                                     checkpoint_mlp_tokens=train.get("checkpoint_mlp_tokens", 16384))
         self._val: Dict[str, list] = {}
 
     def _metrics(self, batch: Dict[str, torch.Tensor], denominators: Optional[torch.Tensor] = None,
@@ -54,7 +55,9 @@ class DraftModule(L.LightningModule):
                                 chunk=t.get("loss_chunk", 2048),
                                 softcap=self.hparams.get("logit_softcap"),
                                 scale=self.hparams.get("logit_scale", 1.0),
-                                denominators=denominators, accuracy=accuracy)
+                                denominators=denominators, accuracy=accuracy,
+                                hard=t.get("loss", "soft") == "hard",
+                                teacher_topk=t.get("teacher_topk"))
 
     def _logging_now(self) -> bool:
         """Whether Lightning writes this training step's metrics (every
@@ -191,18 +194,81 @@ class DraftModule(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         t = self.hparams.train
-        params = [p for p in self.draft.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in self.draft.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
         # the fused CUDA kernel where every parameter is on a GPU (one launch per step)
         fused = bool(params) and all(p.is_cuda for p in params)
-        opt = torch.optim.AdamW(params, lr=t["lr"], weight_decay=t["weight_decay"],
-                                betas=(0.9, 0.95), fused=fused or None)
+        if t.get("optimizer", "adamw") == "muon":
+            opt = muon_and_adamw(named, t, fused)
+        else:
+            opt = torch.optim.AdamW(params, lr=t["lr"], weight_decay=t["weight_decay"],
+                                    betas=(0.9, 0.95), fused=fused or None)
         warmup, total = t["warmup_steps"], max(self.hparams.max_steps, 1)
+        schedule, floor = t.get("schedule", "cosine"), t.get("min_lr_ratio", 0.1)
 
         def factor(step: int) -> float:
             if step < warmup:
                 return (step + 1) / max(warmup, 1)
             progress = min((step - warmup) / max(total - warmup, 1), 1.0)
-            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+            if schedule == "constant":
+                return 1.0
+            if schedule == "linear":
+                return floor + (1 - floor) * (1 - progress)
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Optimizers(torch.optim.Optimizer):
+    """Several optimizers stepped as one (Lightning's automatic optimization takes one):
+    their param groups (shared, so a scheduler sets every group's lr), one closure call
+    per step, state dicts side by side."""
+
+    def __init__(self, optimizers: list):
+        self.optimizers = optimizers
+        self.defaults: Dict[str, Any] = {}
+        self.param_groups = [g for o in optimizers for g in o.param_groups]
+
+    @property
+    def state(self) -> Dict[Any, Any]:  # type: ignore[override]
+        return {p: s for o in self.optimizers for p, s in o.state.items()}
+
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for o in self.optimizers:
+            o.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"optimizers": [o.state_dict() for o in self.optimizers]}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        for o, s in zip(self.optimizers, state_dict["optimizers"]):
+            o.load_state_dict(s)
+
+    def __repr__(self) -> str:
+        return "Optimizers(" + ", ".join(type(o).__name__ for o in self.optimizers) + ")"
+
+
+def muon_and_adamw(named: list, t: Dict[str, Any], fused: bool) -> Optimizers:
+    """Muon (torch.optim.Muon) for the trained 2-D matrices of the decoder layers and fc,
+    AdamW for the rest: lm_head, embeddings, norms (speculators' split,
+    speculators/train/optimizers.py split_named_params_for_muon)."""
+    matrices = [p for n, p in named if p.ndim == 2 and min(p.shape) > 1
+                and not n.startswith(("lm_head", "embed_tokens"))]
+    ids = {id(p) for p in matrices}
+    rest = [p for _, p in named if id(p) not in ids]
+    opts = [torch.optim.Muon(matrices, lr=t.get("muon_lr") or t["lr"],
+                             weight_decay=t["weight_decay"])]
+    if rest:
+        opts.append(torch.optim.AdamW(rest, lr=t["lr"], weight_decay=t["weight_decay"],
+                                      betas=(0.9, 0.95), fused=fused or None))
+    return Optimizers(opts)

@@ -1,8 +1,13 @@
 """Save a trained draft as the folder vLLM's and SGLang's EAGLE-3 loaders read, and load it back.
 
     draft/config.json        LlamaForCausalLMEagle3 config: sizes, heads, rope, vocabularies,
-                             target_hidden_size, the aux layer ids twice (below)
-    draft/model.safetensors  fc, midlayer.*, norm, lm_head, d2t, t2d (no embed_tokens unless
+                             target_hidden_size, the aux layer ids twice (below), the
+                             architecture options (num_hidden_layers, norm_before_fc,
+                             fc_norm, norm_before_residual, norm_output) under the names
+                             vLLM's llama_eagle3.py reads
+    draft/model.safetensors  fc, midlayer.*, layers.1.* ... (the later decoder layers, as
+                             vLLM's loader numbers them), input_norm / fc_norm.i (with
+                             those options), norm, lm_head, d2t, t2d (no embed_tokens unless
                              they were trained: the serving engine shares the verifier's)
 
 The aux layer ids are written where each engine reads them, in its numbering
@@ -36,7 +41,11 @@ def draft_config(shape: DraftShape, aux_layer_ids: List[int], dtype: torch.dtype
         "num_attention_heads": shape.num_heads,
         "num_key_value_heads": shape.num_kv_heads,
         "head_dim": shape.head_dim,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": shape.num_layers,
+        "norm_before_fc": shape.norm_before_fc,
+        "fc_norm": shape.fc_norm,
+        "norm_before_residual": shape.norm_before_residual,
+        "norm_output": shape.norm_output,
         "hidden_act": "silu",
         "rms_norm_eps": shape.rms_norm_eps,
         "rope_theta": shape.rope_theta,
@@ -50,9 +59,26 @@ def draft_config(shape: DraftShape, aux_layer_ids: List[int], dtype: torch.dtype
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": serving.sglang_ids(aux_layer_ids,
                                                                    verifier_architectures),
-            "use_aux_hidden_state": True},
+            "use_aux_hidden_state": True, "norm_before_fc": shape.norm_before_fc},
         "eagle3x": {"aux_layer_ids": list(aux_layer_ids), "shape": shape.to_dict()},
     }
+
+
+def served_name(name: str) -> str:
+    """The export's name of a draft parameter: the later decoder layers (`more_layers.j`)
+    as vLLM's loader numbers its layers (`layers.{j+1}`; `midlayer` is its layers.0)."""
+    if name.startswith("more_layers."):
+        j, rest = name[len("more_layers."):].split(".", 1)
+        return f"layers.{int(j) + 1}.{rest}"
+    return name
+
+
+def trained_name(name: str) -> str:
+    """served_name's inverse."""
+    if name.startswith("layers."):
+        j, rest = name[len("layers."):].split(".", 1)
+        return f"more_layers.{int(j) - 1}.{rest}"
+    return name
 
 
 def save(draft: Eagle3Draft, out: str | Path, aux_layer_ids: List[int],
@@ -66,7 +92,8 @@ def save(draft: Eagle3Draft, out: str | Path, aux_layer_ids: List[int],
         if name.startswith("embed_tokens.") and not include_embeddings:
             continue
         keep = name in ("d2t", "t2d")
-        tensors[name] = t.detach().cpu().contiguous() if keep else t.detach().to(dtype).cpu().contiguous()
+        tensors[served_name(name)] = (t.detach().cpu().contiguous() if keep
+                                      else t.detach().to(dtype).cpu().contiguous())
     out = Path(out)
     with artifacts.building(out) as tmp:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
@@ -84,7 +111,7 @@ def load(folder: str | Path, embeddings: torch.Tensor | None = None) -> Eagle3Dr
     with open(folder / "config.json", encoding="utf-8") as f:
         cfg = json.load(f)
     shape = DraftShape(**cfg["eagle3x"]["shape"])
-    state = load_file(str(folder / WEIGHTS))
+    state = {trained_name(k): v for k, v in load_file(str(folder / WEIGHTS)).items()}
     draft = Eagle3Draft(shape, state["d2t"], state["t2d"])
     if embeddings is not None and "embed_tokens.weight" not in state:
         state["embed_tokens.weight"] = embeddings

@@ -11,8 +11,10 @@ from eagle3x.plan import VerifierRef
 
 
 def draft_shape(verifier: VerifierRef, draft_vocab: int,
-                intermediate_size: Optional[int] = None) -> Dict[str, Any]:
-    """The draft's sizes: the verifier's hidden size, heads and rope, one decoder layer."""
+                intermediate_size: Optional[int] = None,
+                options: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The draft's sizes: the verifier's hidden size, heads and rope; `options` the
+    architecture (DraftConfig.options(): layers, norms; default one plain layer)."""
     info = verifier.info
     raw = info.raw
     rope = raw.get("rope_theta") or (raw.get("rope_parameters") or {}).get("rope_theta") or 10000.0
@@ -23,7 +25,8 @@ def draft_shape(verifier: VerifierRef, draft_vocab: int,
         head_dim=int(raw.get("head_dim") or info.hidden_size // info.num_heads),
         draft_vocab_size=draft_vocab, target_vocab_size=info.vocab_size,
         rms_norm_eps=verifier.rms_norm_eps, rope_theta=float(rope),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)))
+        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        **(options or {}))
 
 
 def draft_training_bytes(shape: Dict[str, Any], freeze_embeddings: bool = True,
@@ -39,11 +42,14 @@ def draft_training_bytes(shape: Dict[str, Any], freeze_embeddings: bool = True,
     h, t, inter = shape["hidden_size"], shape["target_hidden_size"], shape["intermediate_size"]
     q = shape["num_heads"] * shape["head_dim"]
     kv = shape["num_kv_heads"] * shape["head_dim"]
+    layers = shape.get("num_layers", 1)
     trained = (3 * t * h  # fc: three aux states in
-               + 2 * h * (q + 2 * kv) + q * h  # attention reads [embedding, hidden]
-               + 3 * h * inter  # MLP
+               + 2 * h * (q + 2 * kv) + q * h  # the first attention reads [embedding, hidden]
+               + (layers - 1) * (h * (q + 2 * kv) + q * h)  # later ones the hidden state
+               + layers * 3 * h * inter  # MLPs
                + h * shape["draft_vocab_size"]  # lm_head
-               + 4 * h)  # norms
+               + (4 + 3 * (layers - 1)) * h  # norms
+               + 3 * t * (bool(shape.get("norm_before_fc")) + bool(shape.get("fc_norm"))))  # aux norms
     embed = shape["target_vocab_size"] * h
     if not freeze_embeddings:
         trained += embed

@@ -85,9 +85,12 @@ class Teacher:
     rows past TEACHER_TABLE_BYTES), or from a stored top-k teacher (data/compact.py)."""
 
     def __init__(self, draft: Eagle3Draft, batch: Dict[str, torch.Tensor], head: torch.Tensor,
-                 softcap: Optional[float], scale: float, greedy: bool, chunk: int):
+                 softcap: Optional[float], scale: float, greedy: bool, chunk: int,
+                 hard: bool = False, topk: Optional[int] = None):
         vd = draft.shape.draft_vocab_size
         self.vd, self.softcap, self.scale = vd, softcap, scale
+        #: train.loss=hard: the most likely draft token; train.teacher_topk: the k most likely
+        self.hard, self.keep = hard, topk
         self.table = self.last = self.topk = None
         self.greedy: Optional[torch.Tensor] = None
         if "topk_ids" in batch:
@@ -121,14 +124,24 @@ class Teacher:
                 self.last = flat
 
     def probs(self, rows: torch.Tensor) -> torch.Tensor:
-        """float32 [len(rows), draft vocab]: the teacher at flat positions `rows`."""
+        """float32 [len(rows), draft vocab]: the teacher at flat positions `rows` (its most
+        likely token one-hot with `hard`; its `keep` most likely renormalised)."""
         if self.table is not None:
-            return self.table[rows].float()
-        if self.topk is not None:
+            p = self.table[rows].float()
+        elif self.topk is not None:
             ids, logp, index = self.topk
-            return topk_distribution(ids[rows], logp[rows], index, self.vd)
-        return torch.softmax(verifier_logits(self.last[rows], self.head, self.softcap,
-                                             self.scale), -1)
+            p = topk_distribution(ids[rows], logp[rows], index, self.vd)
+        else:
+            p = torch.softmax(verifier_logits(self.last[rows], self.head, self.softcap,
+                                              self.scale), -1)
+        if self.hard:  # a row with no mass (a top-k teacher outside the vocab) stays empty
+            top = p.argmax(-1, keepdim=True)
+            return torch.zeros_like(p).scatter_(1, top, p.gather(1, top).gt(0).float())
+        if self.keep is not None and self.keep < p.shape[-1]:
+            v, i = p.topk(self.keep, dim=-1)
+            p = torch.zeros_like(p).scatter_(1, i, v)
+            p = p / p.sum(-1, keepdim=True).clamp(min=1e-30)
+        return p
 
 
 class FusedSoftCE(torch.autograd.Function):
@@ -196,7 +209,8 @@ def ttt_step_metrics(draft: Eagle3Draft, batch: Dict[str, torch.Tensor], head: t
                      steps: int, step_weight: float, chunk: int = 2048,
                      softcap: Optional[float] = None, scale: float = 1.0,
                      denominators: Optional[torch.Tensor] = None,
-                     accuracy: bool = True) -> Dict[str, torch.Tensor]:
+                     accuracy: bool = True, hard: bool = False,
+                     teacher_topk: Optional[int] = None) -> Dict[str, torch.Tensor]:
     """Weighted soft cross-entropy over `steps` unrolled steps, plus loss_k / acc_k each
     (and ce_k, the summed cross-entropy, and count_k, its positions, for other reductions).
 
@@ -211,6 +225,8 @@ def ttt_step_metrics(draft: Eagle3Draft, batch: Dict[str, torch.Tensor], head: t
     `accuracy=False` skips acc_k and the verifier's greedy token over its full
     vocabulary (a [positions, verifier vocab] matmul the loss does not need).
     `softcap` and `scale`: what the verifier applies after its lm_head (VerifierInfo).
+    `hard` (train.loss=hard) trains towards the teacher's most likely draft token,
+    `teacher_topk` towards its k most likely, renormalised (Teacher.probs).
     """
     ids = batch["input_ids"]
     b, t = ids.shape
@@ -226,7 +242,7 @@ def ttt_step_metrics(draft: Eagle3Draft, batch: Dict[str, torch.Tensor], head: t
         denominators = counts.clamp(min=1).float()
     weights = torch.tensor([step_weight ** k for k in range(steps)], device=ids.device,
                            dtype=torch.float32) / denominators
-    teacher = Teacher(draft, batch, head, softcap, scale, accuracy, chunk)
+    teacher = Teacher(draft, batch, head, softcap, scale, accuracy, chunk, hard, teacher_topk)
     tokens = torch.cat([shift(ids, 1), ids.new_zeros(ids.shape[0], steps)], dim=1)
     hidden = draft.unroll_hidden(batch["aux_hidden"].to(draft.fc.weight.dtype), tokens, steps,
                                  batch.get("positions"), batch.get("docs"),
@@ -299,7 +315,7 @@ def chain_acceptance(draft: Eagle3Draft, batch: Dict[str, torch.Tensor], head: t
     ids, aux = batch["input_ids"], batch["aux_hidden"].to(draft.fc.weight.dtype)
     b, t = ids.shape
     positions = torch.arange(t, device=ids.device).expand(b, t)
-    hidden, cache = draft.fc(aux), []
+    hidden, cache = draft.combine(aux), []
     token = shift(ids, 1)
     alive = valid_mask(batch["loss_mask"], batch["lengths"], 0)
     start = alive.clone()

@@ -13,11 +13,12 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from eagle3x import artifacts, console, distributed
 from eagle3x.artifacts import Outcome
-from eagle3x.config.schema import (EngineConfig, ExtractConfig, HiddenConfig, HiddenSource,
+from eagle3x.config.schema import (DraftConfig, EngineConfig, ExtractConfig, HiddenConfig,
+                                   HiddenSource,
                                    LoggerConfig, LoggerName, TrainConfig, TrainerConfig)
 from eagle3x.draft.shape import draft_shape
 from eagle3x.plan import RunPlan
@@ -25,8 +26,10 @@ from eagle3x.plan import RunPlan
 log = logging.getLogger("eagle3x")
 
 
-def build_module(plan: RunPlan, train: TrainConfig, max_steps: int) -> Any:
-    """The Lightning module for the plan's verifier and vocabulary (vocab must exist)."""
+def build_module(plan: RunPlan, train: TrainConfig, max_steps: int,
+                 draft: Optional[Dict[str, Any]] = None) -> Any:
+    """The Lightning module for the plan's verifier and vocabulary (vocab must exist);
+    `draft`: the architecture options (DraftConfig.options(), or a checkpoint's)."""
     import torch
 
     from eagle3x.draft.module import DraftModule
@@ -34,7 +37,7 @@ def build_module(plan: RunPlan, train: TrainConfig, max_steps: int) -> Any:
 
     v = vocab.load(plan.vocab.folder)
     return DraftModule(
-        shape=draft_shape(plan.verifier, len(v["d2t"]), train.intermediate_size),
+        shape=draft_shape(plan.verifier, len(v["d2t"]), train.intermediate_size, draft),
         train=plain(dataclasses.asdict(train)), verifier=str(plan.verifier.path),
         tied_head=plan.verifier.tied_head, aux_layer_ids=list(plan.aux_layer_ids),
         max_steps=max_steps, d2t=torch.from_numpy(v["d2t"]), t2d=torch.from_numpy(v["t2d"]),
@@ -173,7 +176,7 @@ def samples_made(features: Any, world: int) -> list:
 
 def run(plan: RunPlan, train: TrainConfig, trainer: TrainerConfig, logger: LoggerConfig,
         extract: ExtractConfig, engine: Optional[EngineConfig] = None,
-        hidden: HiddenConfig = HiddenConfig()) -> Outcome:
+        hidden: HiddenConfig = HiddenConfig(), draft: DraftConfig = DraftConfig()) -> Outcome:
     import lightning as L
 
     from eagle3x.data.datamodule import HiddenStateDataModule
@@ -183,7 +186,7 @@ def run(plan: RunPlan, train: TrainConfig, trainer: TrainerConfig, logger: Logge
     out = plan.run_dir
     out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(train.seed, workers=True, verbose=False)
-    module = build_module(plan, train, trainer.max_steps)
+    module = build_module(plan, train, trainer.max_steps, draft.options())
     online = hidden.source is not HiddenSource.offline
     dm = HiddenStateDataModule.from_plan(plan, train, extract, engine if online else None,
                                          hidden if online else None)

@@ -1,0 +1,120 @@
+"""The training recipe's options (train.loss, teacher_topk, optimizer, schedule,
+freeze_lm_head): what each changes, in-process on a tiny draft."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle3x.draft.ttt import Teacher, ttt_step_metrics
+from tests.draft.test_linear_memory import draft_and_batch, grads
+
+
+def teacher(draft, batch, head, **kw) -> Teacher:
+    return Teacher(draft, batch, head, None, 1.0, greedy=False, chunk=64, **kw)
+
+
+def test_the_hard_teacher_is_the_soft_teachers_most_likely_token():
+    draft, batch, head = draft_and_batch(1, 12, [12])
+    rows = torch.arange(12)
+    soft = teacher(draft, batch, head).probs(rows)
+    hard = teacher(draft, batch, head, hard=True).probs(rows)
+    assert torch.equal(hard.argmax(-1), soft.argmax(-1))
+    assert torch.equal(hard.sum(-1), torch.ones(12)) and int((hard > 0).sum()) == 12
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_top_k_teacher_keeps_its_k_most_likely_tokens_renormalised(k):
+    draft, batch, head = draft_and_batch(2, 9, [9])
+    rows = torch.arange(9)
+    soft = teacher(draft, batch, head).probs(rows)
+    top = teacher(draft, batch, head, topk=k).probs(rows)
+    assert torch.allclose(top.sum(-1), torch.ones(9))
+    assert torch.equal((top > 0).sum(-1), torch.full((9,), k))
+    kept = soft.topk(k, -1)
+    assert torch.allclose(top.gather(1, kept.indices), kept.values / kept.values.sum(-1, True))
+
+
+def test_each_loss_trains_towards_its_own_target():
+    draft, batch, head = draft_and_batch(3, 15, [15, 11])
+    soft = grads(draft, ttt_step_metrics(draft, batch, head, 2, 0.8)["loss"])
+    hard = grads(draft, ttt_step_metrics(draft, batch, head, 2, 0.8, hard=True)["loss"])
+    top = grads(draft, ttt_step_metrics(draft, batch, head, 2, 0.8, teacher_topk=2)["loss"])
+    for other in (hard, top):
+        assert not torch.allclose(other["lm_head.weight"], soft["lm_head.weight"])
+
+
+def test_muon_takes_the_layers_matrices_and_adamw_the_rest(tiny_verifier):
+    from eagle3x.draft.module import Optimizers, muon_and_adamw
+    from eagle3x.draft.model import DraftShape, Eagle3Draft
+
+    s = DraftShape(hidden_size=16, target_hidden_size=16, intermediate_size=24, num_heads=2,
+                   num_kv_heads=1, head_dim=8, draft_vocab_size=10, target_vocab_size=30,
+                   num_layers=2, norm_before_fc=True)
+    draft = Eagle3Draft(s, torch.zeros(10, dtype=torch.long), torch.arange(30) < 10)
+    draft.embed_tokens.weight.requires_grad_(False)
+    named = [(n, p) for n, p in draft.named_parameters() if p.requires_grad]
+    opt = muon_and_adamw(named, {"lr": 1e-3, "muon_lr": 0.02, "weight_decay": 0.0}, False)
+    muon, adamw = opt.optimizers
+    names = {id(p): n for n, p in named}
+    in_muon = {names[id(p)] for g in muon.param_groups for p in g["params"]}
+    in_adamw = {names[id(p)] for g in adamw.param_groups for p in g["params"]}
+    assert "fc.weight" in in_muon and "more_layers.0.self_attn.q_proj.weight" in in_muon
+    assert "midlayer.mlp.down_proj.weight" in in_muon
+    assert {"lm_head.weight", "norm.weight", "input_norm.weight"} <= in_adamw
+    assert not in_muon & in_adamw and len(in_muon | in_adamw) == len(named)
+    assert muon.param_groups[0]["lr"] == 0.02 and adamw.param_groups[0]["lr"] == 1e-3
+    # one step of both; the state dict holds both and loads back
+    for p in draft.parameters():
+        if p.requires_grad:
+            p.grad = torch.randn_like(p)
+    before = draft.fc.weight.detach().clone()
+    calls = []
+    opt.step(lambda: calls.append(1))
+    assert calls == [1] and not torch.equal(before, draft.fc.weight)
+    again = muon_and_adamw(named, {"lr": 1e-3, "muon_lr": 0.02, "weight_decay": 0.0}, False)
+    again.load_state_dict(opt.state_dict())
+    assert isinstance(again, Optimizers) and len(again.state) == len(opt.state) > 0
+
+
+@pytest.mark.parametrize("schedule,end", [("cosine", 0.1), ("linear", 0.1), ("constant", 1.0)])
+def test_the_schedule_warms_up_then_ends_where_it_says(tiny_verifier, schedule, end):
+    import dataclasses
+
+    from eagle3x.config.schema import Schedule, TrainConfig
+    from eagle3x.draft.module import DraftModule
+    from eagle3x.stages.train import plain
+
+    train = plain(dataclasses.asdict(TrainConfig(warmup_steps=4, lr=1.0,
+                                                 schedule=Schedule(schedule))))
+    shape = dict(hidden_size=128, target_hidden_size=128, intermediate_size=64, num_heads=2,
+                 num_kv_heads=2, head_dim=64, draft_vocab_size=16, target_vocab_size=1024)
+    m = DraftModule(shape=shape, train=train, verifier=str(tiny_verifier), tied_head=False,
+                    aux_layer_ids=[1, 3, 4], max_steps=20)
+    cfg = m.configure_optimizers()
+    sched = cfg["lr_scheduler"]["scheduler"]
+    lrs = []
+    for _ in range(21):
+        lrs.append(cfg["optimizer"].param_groups[0]["lr"])
+        cfg["optimizer"].step()
+        sched.step()
+    assert lrs[0] == pytest.approx(0.25) and lrs[3] == pytest.approx(1.0)
+    assert lrs[20] == pytest.approx(end)
+    assert all(a >= b - 1e-12 for a, b in zip(lrs[4:], lrs[5:]))  # never up after warmup
+
+
+def test_a_frozen_lm_head_gets_no_gradient(tiny_verifier):
+    import dataclasses
+
+    from eagle3x.config.schema import TrainConfig
+    from eagle3x.draft.module import DraftModule
+    from eagle3x.stages.train import plain
+
+    shape = dict(hidden_size=128, target_hidden_size=128, intermediate_size=64, num_heads=2,
+                 num_kv_heads=2, head_dim=64, draft_vocab_size=16, target_vocab_size=1024)
+    m = DraftModule(shape=shape, train=plain(dataclasses.asdict(TrainConfig(freeze_lm_head=True))),
+                    verifier=str(tiny_verifier), tied_head=False, aux_layer_ids=[1, 3, 4],
+                    max_steps=20)
+    assert not m.draft.lm_head.weight.requires_grad
+    names = {id(p) for g in m.configure_optimizers()["optimizer"].param_groups for p in g["params"]}
+    assert id(m.draft.lm_head.weight) not in names
