@@ -731,9 +731,10 @@ def notices(cfg: Eagle3xConfig, runs: Sequence[str]) -> List[str]:
         # its BasicDecoderLayer (layers after the first) restarts the residual stream from
         # the previous layer's MLP output instead of adding to it, as vLLM's layers do
         out.append(f"{' '.join(set_)}: vLLM serves this draft as trained "
-                   "(llama_eagle3.py reads these keys); SGLang's EAGLE-3 Llama draft ignores the "
-                   "norm options and runs later layers without the running residual, so under "
-                   "SGLang this draft computes something else. Serve it with vLLM.")
+                   "(llama_eagle3.py reads these keys); SGLang's EAGLE-3 Llama draft reads none "
+                   "of them but the layer count, and runs later layers without the running "
+                   "residual, so under SGLang this draft computes something else. Serve it "
+                   "with vLLM.")
     if "train" in runs and _trains_on_cpu(cfg.trainer) and cfg.trainer.precision == "16-mixed":
         # lightning/pytorch/trainer/connectors/accelerator_connector.py,
         # _AcceleratorConnector._check_and_init_precision: a warning, then bf16-mixed

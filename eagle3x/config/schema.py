@@ -289,12 +289,14 @@ class DraftConfig:
     norm_before_residual: bool = False
     # the next draft step reads the final norm's output, not the pre-norm hidden state
     norm_output: bool = False
+    # attention over the last this many positions only (null: all before)
+    sliding_window: Optional[int] = at_least(2, None, "must be at least 2, or null (full)")
 
     def options(self) -> Dict[str, Any]:
         """The DraftShape fields these set (eagle3x.draft.model.DraftShape)."""
         return {"num_layers": self.num_layers, "norm_before_fc": self.norm_before_fc,
                 "fc_norm": self.fc_norm, "norm_before_residual": self.norm_before_residual,
-                "norm_output": self.norm_output}
+                "norm_output": self.norm_output, "sliding_window": self.sliding_window}
 
 
 class OptimizerName(Enum):

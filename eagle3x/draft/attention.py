@@ -38,9 +38,13 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 
-def fused_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> Optional[str]:
-    """Why the fused kernel cannot run for this device / dtype / head size (None: it can)."""
+def fused_reason(device: torch.device, dtype: torch.dtype, head_dim: int,
+                 window: Optional[int] = None) -> Optional[str]:
+    """Why the fused kernel cannot run for this device / dtype / head size / sliding
+    window (None: it can)."""
     if device.type == "cpu":
+        if window is not None:
+            return "the CPU flash kernel has no sliding window"
         if dtype not in (torch.float32, torch.bfloat16):
             return f"the CPU flash kernel takes float32 or bfloat16, not {dtype}"
         if not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
@@ -127,7 +131,7 @@ def uses_varlen(q: torch.Tensor) -> bool:
     return q.device.type == "cuda"
 
 
-def _cuda_causal(q, k, v, scale: float, cu: torch.Tensor):
+def _cuda_causal(q, k, v, scale: float, cu: torch.Tensor, left: Optional[int] = None):
     """Variable-length flash attention over the flattened positions; `max_q` is the row
     length (an upper bound of every segment: the kernel sizes its grid by it, no host
     read of the offsets is needed). Contract (aten/src/ATen/native/transformers/cuda/
@@ -135,20 +139,23 @@ def _cuda_causal(q, k, v, scale: float, cu: torch.Tensor):
     heads, D] (h a multiple of kv heads), int32 offsets; out [total, h, D], the softmax's
     logsumexp [h, total] in float32."""
     b, t, h, d = q.shape
+    window = {} if left is None else {"window_size_left": left, "window_size_right": 0}
     out, lse, rng, unused, _ = VARLEN_OPS._flash_attention_forward(
         q.reshape(b * t, h, d), k.reshape(b * t, k.shape[2], d), v.reshape(b * t, v.shape[2], d),
-        cu, cu, t, t, 0.0, True, False, scale=scale)
+        cu, cu, t, t, 0.0, True, False, scale=scale, **window)
     return out.view(b, t, h, d), lse.view(h, b, t).permute(1, 2, 0), (rng, unused)
 
 
-def _cuda_causal_backward(g, q, k, v, out, lse, scale: float, cu: torch.Tensor, state):
+def _cuda_causal_backward(g, q, k, v, out, lse, scale: float, cu: torch.Tensor, state,
+                          left: Optional[int] = None):
     b, t, h, d = q.shape
     kvh = k.shape[2]
     dq, dk, dv = VARLEN_OPS._flash_attention_backward(
         g.reshape(b * t, h, d).contiguous(), q.reshape(b * t, h, d), k.reshape(b * t, kvh, d),
         v.reshape(b * t, kvh, d), out.reshape(b * t, h, d),
         lse.permute(2, 0, 1).reshape(h, b * t).contiguous(), cu, cu, t, t, 0.0, True,
-        state[0], state[1], scale=scale)
+        state[0], state[1], scale=scale,
+        **({} if left is None else {"window_size_left": left, "window_size_right": 0}))
     return dq.view(b, t, h, d), dk.view(b, t, kvh, d), dv.view(b, t, kvh, d)
 
 
@@ -172,19 +179,30 @@ class FusedTTTAttention(torch.autograd.Function):
     """out [B, T, h, D] of the training-time-test attention (module docstring)."""
 
     @staticmethod
-    def forward(ctx, scale: float, cu: Optional[torch.Tensor], q: torch.Tensor,
-                k0: torch.Tensor, v0: torch.Tensor, *same: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, scale: float, cu: Optional[torch.Tensor], window: Optional[int],
+                q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
+                *same: torch.Tensor) -> torch.Tensor:
         n = len(same) // 2
         ks, vs = same[:n], same[n:]
-        state = None
-        if uses_varlen(q):
+        state = bounds = None
+        # a sliding window of W positions: the query's real position is n steps on, and
+        # its n drafted keys take n places of the window: step-0 keys W - 1 - n back
+        left = None if window is None else window - 1 - n
+        ctx.causal = left is None or left >= 0  # else no step-0 key is within the window
+        if not ctx.causal:
+            out0 = torch.zeros_like(q)
+            lse0 = q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
+        elif uses_varlen(q):
             if cu is None:
                 cu = rows_cu_seqlens(q.shape[0], q.shape[1], q.device)
-            out0, lse0, state = _cuda_causal(q, k0, v0, scale, cu)
-            bounds = None
+            out0, lse0, state = _cuda_causal(q, k0, v0, scale, cu, left)
         else:
+            if left is not None:
+                raise RuntimeError("the CPU flash kernel has no sliding window: use "
+                                   "train.attention=auto or reference with draft.sliding_window")
             bounds = None if cu is None else cu.tolist()  # a CPU tensor: no device sync
             out0, lse0 = _cpu_causal(q, k0, v0, scale, bounds)
+        ctx.left = left
         if n:
             s = torch.stack([_diag_scores(q, kj, scale) for kj in ks], -1)  # [B,T,h,n]
             lse = torch.logaddexp(lse0, torch.logsumexp(s, -1))
@@ -207,9 +225,11 @@ class FusedTTTAttention(torch.autograd.Function):
         q, k0, v0, out, lse, *same = ctx.saved_tensors
         n, scale = ctx.n, ctx.scale
         ks, vs = same[:n], same[n:]
-        if uses_varlen(q):
+        if not ctx.causal:
+            dq, dk0, dv0 = torch.zeros_like(q), torch.zeros_like(k0), torch.zeros_like(v0)
+        elif uses_varlen(q):
             dq, dk0, dv0 = _cuda_causal_backward(g, q, k0, v0, out, lse, scale, ctx.cu,
-                                                 ctx.state)
+                                                 ctx.state, ctx.left)
         else:
             dq, dk0, dv0 = _cpu_causal_backward(g, q, k0, v0, out, lse, scale, ctx.bounds)
         dks, dvs = [], []
@@ -228,15 +248,17 @@ class FusedTTTAttention(torch.autograd.Function):
                 dvs.append(torch.einsum("btgr,btgrd->btgd", _grouped(w, kvh), gg)
                            .to(vs[j].dtype))
             dq = dqf.to(q.dtype)
-        return (None, None, dq, dk0, dv0, *dks, *dvs)
+        return (None, None, None, dq, dk0, dv0, *dks, *dvs)
 
 
 def fused_ttt_attention(q: torch.Tensor, cache: Sequence[Tuple[torch.Tensor, torch.Tensor]],
-                        scale: float, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        scale: float, cu_seqlens: Optional[torch.Tensor] = None,
+                        window: Optional[int] = None) -> torch.Tensor:
     """The training-time-test attention of q [B,T,h,D] over `cache` (step 0's keys and
-    values first, then later steps', each [B,T,kv heads,D]) -> [B,T,h,D]."""
+    values first, then later steps', each [B,T,kv heads,D]) -> [B,T,h,D]; `window`: a
+    sliding window of that many positions (CUDA only, fused_reason)."""
     (k0, v0), later = cache[0], cache[1:]
     same = [kj for kj, _ in later] + [vj for _, vj in later]
     if cu_seqlens is not None and not uses_varlen(q):
         cu_seqlens = cu_seqlens.cpu()
-    return FusedTTTAttention.apply(scale, cu_seqlens, q, k0, v0, *same)
+    return FusedTTTAttention.apply(scale, cu_seqlens, window, q, k0, v0, *same)

@@ -58,6 +58,9 @@ class DraftShape:
     norm_before_residual: bool = False
     #: the next step reads the final norm's output instead of the pre-norm hidden state
     norm_output: bool = False
+    #: every layer's attention sees the last `sliding_window` positions only (vLLM:
+    #: sliding_window with layer_types "sliding_attention"); None: all before
+    sliding_window: Optional[int] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -96,6 +99,7 @@ class Attention(nn.Module):
     def __init__(self, s: DraftShape, in_size: Optional[int] = None):
         super().__init__()
         self.s = s
+        self.window = s.sliding_window
         d = in_size or 2 * s.hidden_size  # the first layer reads [embedding, hidden]
         self.q_proj = nn.Linear(d, s.num_heads * s.head_dim, bias=False)
         self.k_proj = nn.Linear(d, s.num_kv_heads * s.head_dim, bias=False)
@@ -132,7 +136,7 @@ class Attention(nn.Module):
         kind = x.device.type
         dtype = (torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind)
                  else self.q_proj.weight.dtype)
-        return fused_reason(x.device, dtype, self.s.head_dim) is None
+        return fused_reason(x.device, dtype, self.s.head_dim, self.window) is None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 cache: List[Tuple[torch.Tensor, torch.Tensor]],
@@ -153,27 +157,32 @@ class Attention(nn.Module):
             cache.append((k, v))
             if cu_seqlens is None and docs is not None:
                 cu_seqlens = cu_seqlens_from_docs(docs)
-            out = fused_ttt_attention(q, cache, scale, cu_seqlens)
+            out = fused_ttt_attention(q, cache, scale, cu_seqlens, self.window)
             return self.o_proj(out.reshape(b, t, -1))
         q, k, v = self.qkv(x, positions)
         cache.append((k, v))
-        out = ttt_attention(q, cache, scale, self.block, docs)
+        out = ttt_attention(q, cache, scale, self.block, docs, self.window)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
 def _attend(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, start: int, scale: float,
             docs_q: Optional[torch.Tensor], docs_k: Optional[torch.Tensor],
-            *same: torch.Tensor) -> torch.Tensor:
+            window: Optional[int], *same: torch.Tensor) -> torch.Tensor:
     """Queries at positions start.. over step-0 keys 0..(their position) and the
     same-position keys/values of later steps (`same` = k1..kn, v1..vn, sliced like q);
-    with document ids (docs_q [B, Tq], docs_k [B, Tk]) only keys of the query's document."""
+    with document ids (docs_q [B, Tq], docs_k [B, Tk]) only keys of the query's document;
+    with a `window`, only step-0 keys within it of the query's real position (n steps on:
+    the last window - n of them, since the n drafted keys are inside it too)."""
     rep = q.shape[1] // k0.shape[1]
     if rep > 1:  # grouped-query attention: each kv head serves `rep` query heads
         k0, v0 = k0.repeat_interleave(rep, 1), v0.repeat_interleave(rep, 1)
         same = tuple(x.repeat_interleave(rep, 1) for x in same)
     tq, tk = q.shape[2], k0.shape[2]
-    causal = (torch.arange(tk, device=q.device)[None, :]
-              <= torch.arange(start, start + tq, device=q.device)[:, None])
+    key = torch.arange(tk, device=q.device)[None, :]
+    query = torch.arange(start, start + tq, device=q.device)[:, None]
+    causal = key <= query
+    if window is not None:
+        causal = causal & (key > query + len(same) // 2 - window)
     if docs_q is not None:
         causal = causal & (docs_q[:, None, :, None] == docs_k[:, None, None, :])
     scores = [(q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]
@@ -189,7 +198,8 @@ def _attend(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, start: int, sca
 
 
 def ttt_attention(q: torch.Tensor, cache: List[Tuple[torch.Tensor, torch.Tensor]], scale: float,
-                  block: int = 512, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  block: int = 512, docs: Optional[torch.Tensor] = None,
+                  window: Optional[int] = None) -> torch.Tensor:
     """softmax(q . [causal step-0 keys | same-position keys of steps 1..]) @ values.
 
     q is [B, heads, T, D], every cache entry [B, kv heads, T, D]. Up to `block` positions
@@ -198,19 +208,20 @@ def ttt_attention(q: torch.Tensor, cache: List[Tuple[torch.Tensor, torch.Tensor]
     block is recomputed in backward instead of kept (torch.utils.checkpoint): what stays
     alive for backward is q, k, v (k, v at kv-head size) and the output, so memory grows
     linearly in T. The arithmetic per query is the dense path's, so the two agree to
-    rounding. `docs` [B, T]: document ids of packed rows (attention stays within one).
+    rounding. `docs` [B, T]: document ids of packed rows (attention stays within one);
+    `window`: sliding-window attention (_attend).
     """
     (k0, v0), later = cache[0], cache[1:]
     t = q.shape[2]
     same = [kj for kj, _ in later] + [vj for _, vj in later]
     if t <= block:
-        return _attend(q, k0, v0, 0, scale, docs, docs, *same)
+        return _attend(q, k0, v0, 0, scale, docs, docs, window, *same)
     outs = []
     for a in range(0, t, block):
         e = min(a + block, t)
         args = (q[:, :, a:e], k0[:, :, :e], v0[:, :, :e], a, scale,
                 None if docs is None else docs[:, a:e], None if docs is None else docs[:, :e],
-                *[x[:, :, a:e] for x in same])
+                window, *[x[:, :, a:e] for x in same])
         if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k0, v0, *same)):
             outs.append(checkpoint(_attend, *args, use_reentrant=False))
         else:

@@ -46,6 +46,10 @@ def draft_config(shape: DraftShape, aux_layer_ids: List[int], dtype: torch.dtype
         "fc_norm": shape.fc_norm,
         "norm_before_residual": shape.norm_before_residual,
         "norm_output": shape.norm_output,
+        # vLLM's LlamaAttention: layer_types[layer - target_layer_count] == "sliding_attention"
+        **({"sliding_window": shape.sliding_window,
+            "layer_types": ["sliding_attention"] * shape.num_layers}
+           if shape.sliding_window else {}),
         "hidden_act": "silu",
         "rms_norm_eps": shape.rms_norm_eps,
         "rope_theta": shape.rope_theta,

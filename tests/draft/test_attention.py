@@ -20,9 +20,11 @@ from eagle3x.draft.attention import (cu_seqlens_from_docs, fused_reason, fused_t
                                      rows_cu_seqlens)
 
 
-def dense(q, cache, scale: float, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
+def dense(q, cache, scale: float, docs: Optional[torch.Tensor] = None,
+          window: Optional[int] = None) -> torch.Tensor:
     """softmax(q . [causal step-0 keys of the same document | same-position keys of later
-    steps]) @ values, token-major [B, T, h, D], in float64 with explicit masks."""
+    steps]) @ values, token-major [B, T, h, D], in float64 with explicit masks; with a
+    `window` of W positions a query n steps on sees the step-0 keys of the last W - n."""
     q = q.double()
     b, t, h, d = q.shape
     kvh = cache[0][0].shape[2]
@@ -33,6 +35,9 @@ def dense(q, cache, scale: float, docs: Optional[torch.Tensor] = None) -> torch.
     qh = q.transpose(1, 2)
     k0, v0 = heads(cache[0][0]), heads(cache[0][1])
     allowed = torch.ones(t, t, dtype=torch.bool).tril().expand(b, 1, t, t)
+    if window is not None:  # the query's real position is len(cache) - 1 steps on
+        back = window - len(cache)
+        allowed = allowed & torch.ones(t, t, dtype=torch.bool).triu(-back)
     if docs is not None:
         allowed = allowed & (docs[:, None, :, None] == docs[:, None, None, :])
     scores = [(qh @ k0.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))]
@@ -71,11 +76,11 @@ def packed_docs(b: int, t: int, seed: int) -> torch.Tensor:
     return docs
 
 
-def check_against_dense(xs, docs, cu, rel: float = 1e-5) -> None:
+def check_against_dense(xs, docs, cu, rel: float = 1e-5, window: Optional[int] = None) -> None:
     q, cache = as_cache(xs)
     scale = q.shape[-1] ** -0.5
-    got = fused_ttt_attention(q, cache, scale, cu)
-    want = dense(q, cache, scale, docs)
+    got = fused_ttt_attention(q, cache, scale, cu, window)
+    want = dense(q, cache, scale, docs, window)
     assert (got.double() - want).abs().max() <= rel * want.abs().max(), \
         (got.double() - want).abs().max()
     g = torch.randn(got.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
@@ -143,11 +148,34 @@ class VarlenStandIn:
         assert cu.dtype == torch.int32 and int(cu[0]) == 0 and int(cu[-1]) == q.shape[0]
         assert int((cu[1:] - cu[:-1]).max()) <= max_q
 
+    @staticmethod
+    def _windowed(q, k, v, cu, scale, left):
+        """Causal attention within `left` positions back, per segment, float64 (the kernel's
+        window_size_left): (out, lse [h, total])."""
+        out = torch.zeros(q.shape, dtype=torch.float64)
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float64)
+        rep = q.shape[1] // k.shape[1]
+        for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            qs = q[s:e].double().transpose(0, 1)
+            ks = k[s:e].double().transpose(0, 1).repeat_interleave(rep, 0)
+            vs = v[s:e].double().transpose(0, 1).repeat_interleave(rep, 0)
+            n = e - s
+            mask = torch.ones(n, n, dtype=torch.bool).tril() & torch.ones(n, n, dtype=torch.bool).triu(-left)
+            sc = (qs @ ks.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+            lse[:, s:e] = torch.logsumexp(sc, -1)
+            out[s:e] = (torch.softmax(sc, -1) @ vs).transpose(0, 1)
+        return out, lse
+
     def _flash_attention_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal,
-                                 return_debug_mask, scale=None):
+                                 return_debug_mask, scale=None, window_size_left=None,
+                                 window_size_right=None):
         self._check(q, k, cu_q, max_q)
         assert torch.equal(cu_q, cu_k) and is_causal and dropout_p == 0.0
         type(self).calls += 1
+        if window_size_left is not None:
+            assert window_size_left >= 0 and window_size_right == 0
+            out, lse = self._windowed(q, k, v, cu_q, scale, window_size_left)
+            return out.to(q.dtype), lse.float(), torch.zeros(2), torch.zeros(()), torch.empty(0)
         op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)
@@ -159,9 +187,29 @@ class VarlenStandIn:
         return out, lse, torch.zeros(2), torch.zeros(()), torch.empty(0)
 
     def _flash_attention_backward(self, g, q, k, v, out, lse, cu_q, cu_k, max_q, max_k,
-                                  dropout_p, is_causal, rng, unused, scale=None):
+                                  dropout_p, is_causal, rng, unused, scale=None,
+                                  window_size_left=None, window_size_right=None):
         self._check(q, k, cu_q, max_q)
         assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
+        if window_size_left is not None:  # the kernel's backward: P from the given lse
+            rep = q.shape[1] // k.shape[1]
+            dq, dk, dv = (torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v))
+            for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+                n = e - s
+                qs, gs, os_ = (x[s:e].double().transpose(0, 1) for x in (q, g, out))
+                ks = k[s:e].double().transpose(0, 1).repeat_interleave(rep, 0)
+                vs = v[s:e].double().transpose(0, 1).repeat_interleave(rep, 0)
+                mask = (torch.ones(n, n, dtype=torch.bool).tril()
+                        & torch.ones(n, n, dtype=torch.bool).triu(-window_size_left))
+                sc = (qs @ ks.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+                prob = torch.exp(sc - lse[:, s:e, None].double())
+                dp = gs @ vs.transpose(-1, -2)
+                ds = prob * (dp - (gs * os_).sum(-1, keepdim=True))
+                dq[s:e] = (ds @ ks * scale).transpose(0, 1)
+                dks = (ds.transpose(-1, -2) @ qs * scale).view(k.shape[1], rep, n, -1).sum(1)
+                dvs = (prob.transpose(-1, -2) @ gs).view(k.shape[1], rep, n, -1).sum(1)
+                dk[s:e], dv[s:e] = dks.transpose(0, 1), dvs.transpose(0, 1)
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
         op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
         grads = [torch.zeros_like(x) for x in (q, k, v)]
         for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
@@ -181,6 +229,25 @@ def test_the_cuda_path_lays_tensors_out_as_the_varlen_kernel_takes_them(monkeypa
     cu = cu_seqlens_from_docs(docs) if packed else None
     check_against_dense(inputs(5, 2, 26, 4, 2, 2), docs, cu)
     assert VarlenStandIn.calls == 1  # every segment of the batch in one kernel call
+
+
+@pytest.mark.parametrize("window,steps", [(4, 0), (4, 2), (3, 3), (2, 3)])
+def test_the_cuda_paths_sliding_window_sees_the_last_w_positions_of_the_real_query(
+        monkeypatch, window, steps):
+    """A query n steps on sits n positions further: its window holds its n drafted keys
+    and the last W - n step-0 keys (none when n >= W)."""
+    monkeypatch.setattr(attention, "VARLEN_OPS", VarlenStandIn())
+    monkeypatch.setattr(attention, "uses_varlen", lambda q: True)
+    docs = packed_docs(2, 21, seed=8)
+    check_against_dense(inputs(9, 2, 21, 4, 2, steps), docs, cu_seqlens_from_docs(docs),
+                        window=window)
+
+
+def test_the_cpu_kernel_refuses_a_sliding_window():
+    q, cache = as_cache(inputs(10, 1, 8, 2, 1, 1))
+    with pytest.raises(RuntimeError, match="sliding window"):
+        fused_ttt_attention(q, cache, 0.3, None, 4)
+    assert "sliding window" in fused_reason(torch.device("cpu"), torch.float32, 64, 4)
 
 
 def test_bfloat16_on_the_cpu_stays_within_bfloat16_rounding_of_the_dense_softmax():

