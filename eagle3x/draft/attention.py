@@ -62,6 +62,76 @@ def fused_reason(device: torch.device, dtype: torch.dtype, head_dim: int,
     return f"no fused attention kernel for device type {device.type!r}"
 
 
+_CHECKED: dict = {}
+
+
+def device_check(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
+                 head_dim: int, window: Optional[int] = None) -> Optional[str]:
+    """Why the fused kernel is not used on this CUDA device (None: it is): once per device
+    and shape, a small random problem (two documents, three steps) runs through it,
+    forward and backward, against the dense softmax in float32; an error, or a relative
+    error past bf16 rounding, sends training to the reference path instead of a silent
+    wrong result (the CPU kernel is held to the dense one by the test suite; the CUDA
+    kernel only here and in bench/gpu_check.py)."""
+    key = (str(device), dtype, heads, kv_heads, head_dim, window)
+    if key not in _CHECKED:
+        _CHECKED[key] = _device_check(device, dtype, heads, kv_heads, head_dim, window)
+    return _CHECKED[key]
+
+
+def _device_check(device, dtype, heads, kv_heads, head_dim, window) -> Optional[str]:
+    g = torch.Generator().manual_seed(0)
+    t, steps = 96, 3
+    x = [torch.randn(1, t, heads if i == 0 else kv_heads, head_dim, generator=g)
+         for i in range(1 + 2 * (steps + 1))]
+    docs = torch.zeros(1, t, dtype=torch.long)
+    docs[0, 40:] = 1
+    scale = head_dim ** -0.5
+    try:
+        with torch.autocast(device.type, enabled=False):
+            xs = [a.to(device, dtype).requires_grad_() for a in x]
+            cache = [(xs[1 + 2 * i], xs[2 + 2 * i]) for i in range(steps + 1)]
+            out = fused_ttt_attention(xs[0], cache, scale,
+                                      cu_seqlens_from_docs(docs.to(device)), window)
+            grads = torch.autograd.grad(out.float().square().sum(), xs)
+    except Exception as exc:  # a kernel this torch or GPU does not have
+        return f"the fused kernel failed on {device} ({type(exc).__name__}: {exc})"[:400]
+    ref = [a.double().requires_grad_() for a in x]
+    want = _dense(ref[0], [(ref[1 + 2 * i], ref[2 + 2 * i]) for i in range(steps + 1)],
+                  scale, docs, window)
+    want_grads = torch.autograd.grad(want.square().sum(), ref)
+    errs = [float((a.detach().double().cpu() - b.detach()).norm()
+                  / b.detach().norm().clamp(min=1e-12))
+            for a, b in zip([out, *grads], [want, *want_grads])]
+    if max(errs) > 3e-2:
+        return f"the fused kernel on {device} is {max(errs):.1e} off the dense softmax"
+    return None
+
+
+def _dense(q, cache, scale, docs, window):
+    """The dense training-time-test softmax, token-major (the device check's reference)."""
+    b, t, h, _ = q.shape
+    rep = h // cache[0][0].shape[2]
+
+    def heads(x):
+        return x.transpose(1, 2).repeat_interleave(rep, 1)
+
+    qh = q.transpose(1, 2)
+    allowed = torch.ones(t, t, dtype=torch.bool).tril()
+    if window is not None:
+        allowed = allowed & torch.ones(t, t, dtype=torch.bool).triu(-(window - len(cache)))
+    allowed = allowed & (docs[:, None, :, None] == docs[:, None, None, :])
+    scores = [(qh @ heads(cache[0][0]).transpose(-1, -2) * scale).masked_fill(~allowed,
+                                                                              float("-inf"))]
+    if len(cache) > 1:
+        scores.append(torch.stack([(qh * heads(k)).sum(-1) * scale for k, _ in cache[1:]], -1))
+    p = torch.softmax(torch.cat(scores, -1), -1)
+    out = p[..., :t] @ heads(cache[0][1])
+    for j, (_, v) in enumerate(cache[1:]):
+        out = out + p[..., t + j, None] * heads(v)
+    return out.transpose(1, 2)
+
+
 def cu_seqlens_from_docs(docs: torch.Tensor) -> torch.Tensor:
     """Segment offsets (int32 [S+1]) over the flattened [B, T] positions from document ids
     (packed rows; -1 marks padding): a new segment wherever a row starts or its document

@@ -30,7 +30,8 @@ from torch.utils.checkpoint import checkpoint
 import torch.nn as nn
 import torch.nn.functional as F
 
-from eagle3x.draft.attention import cu_seqlens_from_docs, fused_reason, fused_ttt_attention
+from eagle3x.draft.attention import (cu_seqlens_from_docs, device_check, fused_reason,
+                                     fused_ttt_attention)
 from eagle3x.weights import rms_norm
 
 
@@ -136,7 +137,20 @@ class Attention(nn.Module):
         kind = x.device.type
         dtype = (torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind)
                  else self.q_proj.weight.dtype)
-        return fused_reason(x.device, dtype, self.s.head_dim, self.window) is None
+        if fused_reason(x.device, dtype, self.s.head_dim, self.window) is not None:
+            return False
+        if kind == "cuda":  # held to the dense softmax on this GPU once, else the reference
+            why = device_check(x.device, dtype, self.s.num_heads, self.s.num_kv_heads,
+                               self.s.head_dim, self.window)
+            if why is not None:
+                if not getattr(Attention, "_warned", False):
+                    import logging
+
+                    logging.getLogger("eagle3x").warning(
+                        "training-time-test attention: %s; using the reference path", why)
+                    Attention._warned = True
+                return False
+        return True
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 cache: List[Tuple[torch.Tensor, torch.Tensor]],

@@ -268,3 +268,23 @@ def test_which_devices_and_dtypes_have_a_fused_kernel():
     assert "bf16-mixed" in fused_reason(cuda, torch.float32, 128)
     assert "head_dim" in fused_reason(cuda, torch.bfloat16, 320)
     assert fused_reason(torch.device("meta"), torch.float32, 64) is not None
+
+
+def test_the_device_check_sends_a_kernel_that_computes_something_else_to_the_reference(
+        monkeypatch):
+    """Once per GPU and shape the fused kernel is held to the dense softmax; a kernel that
+    is off (or fails) is reported, and Attention.uses_fused then takes the reference."""
+    class Off(VarlenStandIn):
+        def _flash_attention_forward(self, *a, **kw):
+            out, *rest = super()._flash_attention_forward(*a, **kw)
+            return (out * 1.1, *rest)
+
+    monkeypatch.setattr(attention, "uses_varlen", lambda q: True)
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(attention, "VARLEN_OPS", VarlenStandIn())
+    assert attention._device_check(cpu, torch.float32, 4, 2, 16, None) is None
+    assert attention._device_check(cpu, torch.float32, 4, 2, 16, 5) is None
+    monkeypatch.setattr(attention, "VARLEN_OPS", Off())
+    assert "off the dense softmax" in attention._device_check(cpu, torch.float32, 4, 2, 16, None)
+    monkeypatch.setattr(attention, "VARLEN_OPS", object())
+    assert "failed" in attention._device_check(cpu, torch.float32, 4, 2, 16, None)
