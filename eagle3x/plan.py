@@ -151,22 +151,6 @@ class Source:
             out["split_turns"] = True
         return out
 
-    def chat_settings(self) -> Any:
-        """data/chat.ChatSettings of this source (plain values)."""
-        from eagle3x.data.chat import ChatSettings
-
-        return ChatSettings(self.max_seq_len, dict(self.template_kwargs), self.split_turns,
-                            self.train_reasoning, self.train_tool_calls)
-
-    def reader(self) -> Any:
-        """data/conversations.Source: where prepare and regenerate read conversations."""
-        from eagle3x.data.conversations import Fields, Source as Reader
-
-        return Reader(path=None if self.path is None else str(self.path), name=self.name,
-                      config=self.config, split=self.split, streaming=self.streaming,
-                      revision=self.revision, cached=self.cached, format=self.format,
-                      fields=Fields(**self.fields))
-
 
 @dataclass(frozen=True)
 class ArtifactRef:
@@ -538,6 +522,13 @@ def hub_cached(name: str, config: Optional[str], split: str
         return None
     _, revision, folder, n = max(found)
     return revision, folder, n
+
+
+def hub_cached_folder(name: str, config: Optional[str], revision: str) -> Optional[Path]:
+    """The cached copy of hub dataset `name` (config) made from commit `revision`."""
+    config = config or hub_cached_config(name)
+    found = sorted(_hub_root(name).glob(f"{config}/*/{revision}/dataset_info.json"))
+    return found[-1].parent if found else None
 
 
 def hub_offline() -> bool:

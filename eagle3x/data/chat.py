@@ -51,6 +51,12 @@ class ChatSettings:
     train_tool_calls: bool = True
 
 
+def settings_of(source: Any) -> ChatSettings:
+    """The ChatSettings of a plan's source (eagle3x.plan.Source)."""
+    return ChatSettings(source.max_seq_len, dict(source.template_kwargs), source.split_turns,
+                        source.train_reasoning, source.train_tool_calls)
+
+
 @dataclass
 class Piece:
     """One sample's text and its trained character spans (per assistant turn)."""
@@ -180,10 +186,13 @@ def _region(a: str, b: Optional[str], lo: int, hi: int) -> Optional[Tuple[int, i
         return lo, hi
     if a == b:
         return None
-    p = _diverge(a, b)
+    shortest = min(len(a), len(b))
     q = 0
-    while q < min(len(a), len(b)) - p and a[-1 - q] == b[-1 - q]:
+    while q < shortest and a[-1 - q] == b[-1 - q]:
         q += 1
+    # where the common prefix and suffix overlap, the suffix keeps the shared characters
+    # (the "<" of "<tool_call>" vs "<|im_end|>" goes with what follows, not what precedes)
+    p = min(_diverge(a, b), shortest - q)
     start, end = max(p, lo), min(len(a) - q, hi)
     return (start, end) if end > start else None
 
@@ -288,14 +297,16 @@ def layout(tokenizer: Any, messages: List[dict], tools: Optional[List[dict]], wh
 
 
 def tokenize(tokenizer: Any, piece: Piece, max_seq_len: int) -> Tuple[List[int], List[int], bool]:
-    """Token ids, loss mask (1: the token starts inside a trained span and outside an
+    """Token ids, loss mask (1: the token starts inside a trained span and overlaps no
     excluded one) and whether the sample was truncated to `max_seq_len`."""
     enc = tokenizer(piece.text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
     mask = []
     for start, end in offsets:
+        # trained: starts inside a reply; excluded: overlaps an excluded region at all (a
+        # region found by comparing renders may begin inside a token, as "<" of "<tool_call>")
         inside = (end > start and any(s <= start < e for s, e in piece.spans)
-                  and not any(s <= start < e for s, e in piece.excluded))
+                  and not any(start < e and s < end for s, e in piece.excluded))
         mask.append(1 if inside else 0)
     truncated = len(ids) > max_seq_len
     return ids[:max_seq_len], mask[:max_seq_len], truncated

@@ -327,6 +327,14 @@ class Source:
         return self.name is None and self.path is not None and not Path(self.path).is_dir()
 
 
+def reader(source: Any) -> Source:
+    """Where a plan's source (eagle3x.plan.Source) reads its conversations."""
+    return Source(path=None if source.path is None else str(source.path), name=source.name,
+                  config=source.config, split=source.split, streaming=source.streaming,
+                  revision=source.revision, cached=source.cached, format=source.format,
+                  fields=Fields(**source.fields))
+
+
 def parse_line(raw: bytes, where: str, fmt: str, fields: Optional[Fields] = None) -> Conversation:
     """One jsonl line as a Conversation, or DataError naming `where`."""
     try:
@@ -390,15 +398,19 @@ def open_dataset(source: Source) -> Any:
         if isinstance(ds, datasets.DatasetDict):
             ds = ds["train"] if "train" in ds else next(iter(ds.values()))
         return ds
-    if source.cached:  # from the local cache, without asking the hub
+    if source.cached:  # from the local cache (the commit the plan chose), not the hub
         from datasets.packaged_modules.cache.cache import Cache
 
-        from eagle3x.plan import hub_cache_dir, hub_cached_config, snake_name
+        from eagle3x.plan import hub_cache_dir, hub_cached_folder, snake_name
 
         name = source.name
-        builder = Cache(cache_dir=hub_cache_dir(), dataset_name=snake_name(name.split("/")[-1]),
-                        repo_id=name, config_name=source.config or hub_cached_config(name),
-                        version="auto", hash=source.revision or "auto")
+        folder = hub_cached_folder(name, source.config, source.revision)
+        if folder is None:
+            raise DataError(f"{name}: the cached copy of commit {source.revision} is gone from "
+                            f"{hub_cache_dir()}")
+        builder = Cache(cache_dir=str(hub_cache_dir()), dataset_name=snake_name(name.split("/")[-1]),
+                        repo_id=name, config_name=folder.parent.parent.name,
+                        version=folder.parent.name, hash=folder.name)
         if source.streaming:
             return builder.as_streaming_dataset(split=source.split)
         return builder.as_dataset(split=source.split)

@@ -219,11 +219,12 @@ def _pool(workers: int, plan: RunPlan) -> Any:
 def _build(plan: RunPlan) -> Outcome:
     from tqdm import tqdm
 
-    from eagle3x.data.conversations import DataError
+    from eagle3x.data.chat import settings_of
+    from eagle3x.data.conversations import DataError, reader as reader_of
 
     out, src = plan.prepared.folder, plan.source
-    reader = src.reader()
-    settings = src.chat_settings()
+    reader = reader_of(src)
+    settings = settings_of(src)
     size = src.chunk_size
     scratch = _Scratch(out, {"fingerprint": plan.prepared.fingerprint, "chunk_size": size})
     done = scratch.open()

@@ -139,7 +139,7 @@ def regenerate(plan: RunPlan, settings: RegenerateConfig,
     from filelock import FileLock
     from tqdm import tqdm
 
-    from eagle3x.data.conversations import iter_conversations
+    from eagle3x.data.conversations import iter_conversations, reader
     from eagle3x.engines.generate import stop_ids
     from eagle3x.verifier import load_tokenizer
 
@@ -157,7 +157,7 @@ def regenerate(plan: RunPlan, settings: RegenerateConfig,
         if m.get("fingerprint") != fp:
             raise artifacts.ArtifactError(f"{out}: holds regenerated replies of other data, "
                                           "verifier or settings; eagle3x will not mix them")
-        convs = list(iter_conversations(plan.original.reader()))
+        convs = list(iter_conversations(reader(plan.original)))
         size = settings.chunk_size
         n_chunks = (len(convs) + size - 1) // size
         done = {c["index"] for c in m["chunks"]

@@ -193,3 +193,31 @@ def build_verifier(name: str, root: str | Path) -> Path:
     root = Path(root) / CHAT_ZOO_ID
     tok = build_tokenizer(name, root / f"tokenizer-{name}")
     return zoo.build(FAMILIES[name].model, root / f"verifier-{name}", tok)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """python -m tests.helpers.chat_zoo NAME FOLDER [--data FILE]: a tiny verifier with the
+    family's template at FOLDER (and conversations to try it on at FILE)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m tests.helpers.chat_zoo", description=main.__doc__)
+    p.add_argument("name", choices=sorted(FAMILIES))
+    p.add_argument("folder")
+    p.add_argument("--data", help="write dataset() conversations (jsonl) here")
+    p.add_argument("-n", type=int, default=40)
+    args = p.parse_args(argv)
+    folder = Path(args.folder)
+    tok = build_tokenizer(args.name, folder.parent / f".{folder.name}.tokenizer")
+    from tests.helpers import zoo
+
+    zoo.build(FAMILIES[args.name].model, folder, tok)
+    if args.data:
+        with open(args.data, "w", encoding="utf-8") as f:
+            for record in dataset(args.n):
+                f.write(json.dumps(record) + "\n")
+    print(folder)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
