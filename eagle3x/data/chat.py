@@ -296,20 +296,38 @@ def layout(tokenizer: Any, messages: List[dict], tools: Optional[List[dict]], wh
     return pieces
 
 
+def _encode(tokenizer: Any, text: str) -> Tuple[List[int], Any]:
+    """Token ids and [start, end) character offsets of `text` (no special tokens added):
+    straight from the Rust tokenizer when there is one (what transformers calls too)."""
+    import numpy as np
+
+    rust = getattr(tokenizer, "_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if rust is not None:
+        enc = rust.encode(text, add_special_tokens=False)
+        return enc.ids, np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return enc["input_ids"], np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+
+
 def tokenize(tokenizer: Any, piece: Piece, max_seq_len: int) -> Tuple[List[int], List[int], bool]:
     """Token ids, loss mask (1: the token starts inside a trained span and overlaps no
     excluded one) and whether the sample was truncated to `max_seq_len`."""
-    enc = tokenizer(piece.text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = enc["input_ids"], enc["offset_mapping"]
-    mask = []
-    for start, end in offsets:
-        # trained: starts inside a reply; excluded: overlaps an excluded region at all (a
-        # region found by comparing renders may begin inside a token, as "<" of "<tool_call>")
-        inside = (end > start and any(s <= start < e for s, e in piece.spans)
-                  and not any(start < e and s < end for s, e in piece.excluded))
-        mask.append(1 if inside else 0)
+    import numpy as np
+
+    ids, offsets = _encode(tokenizer, piece.text)
+    start, end = offsets[:, 0], offsets[:, 1]
+    spans = np.asarray(sorted(piece.spans), dtype=np.int64).reshape(-1, 2)
+    k = np.searchsorted(spans[:, 0], start, side="right") - 1  # the last span starting <= start
+    inside = (k >= 0) & (start < spans[np.maximum(k, 0), 1]) & (end > start)
+    if piece.excluded:
+        # excluded: overlaps a region at all (a region found by comparing renders may begin
+        # inside a token, as the "<" of "<tool_call>")
+        ex = np.asarray(sorted(piece.excluded), dtype=np.int64).reshape(-1, 2)
+        k = np.searchsorted(ex[:, 0], end, side="left") - 1  # the last region starting < end
+        inside &= ~((k >= 0) & (ex[np.maximum(k, 0), 1] > start))
+    mask = inside.astype(np.uint8).tolist()
     truncated = len(ids) > max_seq_len
-    return ids[:max_seq_len], mask[:max_seq_len], truncated
+    return list(ids[:max_seq_len]), mask[:max_seq_len], truncated
 
 
 def assistant_spans(tokenizer: Any, messages: Sequence[dict], where: str,
