@@ -210,9 +210,10 @@ def data_problems(cfg: Eagle3xConfig) -> List[Problem]:
                             hint="connect to the hub once (it is cached then), or check the "
                                  "name, data.config and data.split")]
         return []
-    if not d.path:
-        return [Problem("data.path", "required, and not set.", value=None,
-                        hint="data=jsonl data.path=... (a file), or data=hf data.name=org/name")]
+    if not d.path:  # data=hf sets path to null: the name is what is missing
+        return [Problem("data.name", "required, and not set.", value=None,
+                        hint="data.name=org/name (a hub dataset), or data=jsonl data.path=... "
+                             "(a file)")]
     fields = Fields(**{k: v for k, v in vars(d.fields).items() if v})
     why = check_source(d.path, d.format.value, fields, input_memo(cfg))
     if why:

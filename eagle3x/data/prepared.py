@@ -228,7 +228,9 @@ def _build(plan: RunPlan) -> Outcome:
     size = src.chunk_size
     scratch = _Scratch(out, {"fingerprint": plan.prepared.fingerprint, "chunk_size": size})
     done = scratch.open()
-    total = src.records  # None for datasets folders
+    total = src.records  # None for datasets folders and regenerated replies (made since)
+    if total is None and reader.is_jsonl:
+        total = artifacts.input_facts(reader.path).records
     workers = src.num_proc if total is None or total > size * _INLINE_CHUNKS else 1
     start = done[-1]["next"] if done else {}
     first_conv = sum(r["conversations"] for r in done)
