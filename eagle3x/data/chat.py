@@ -5,19 +5,26 @@ The template renders what vLLM's server renders (``template_messages``: reasonin
 arguments as objects, or as json strings for templates that concatenate them, as
 DeepSeek's do; the conversation's ``tools`` as ``tools=``).
 
-Where a reply is. Serving turn i renders ``messages[:i]`` with the generation prompt (P_i)
-and the model generates the rest of ``render(messages[:i+1])`` (E_i, the turn rendered
-as the last one): its reasoning, text, tool calls and end-of-turn token. So the trained
-characters of turn i are ``E_i[len(P_i):]``, which requires E_i to start with P_i (a
-template whose generation prompt opens a block its rendered turns do not have, as
-DeepSeek-R1's ``<think>``, cannot show what the model generates: refused, naming the
-turn). One sample can hold several turns when each turn's E_i is a prefix of the sample's
-text. Templates that render earlier turns differently once later turns follow (Qwen3,
-Kimi-K2-Thinking and GPT-OSS drop earlier turns' reasoning; GPT-OSS also ends the last
-turn with ``<|return|>``) break that: by default the conversation is refused naming the
-turn; with ``split_turns`` it is cut into as few samples as serving renders need (each
-ends with the last turn it trains, every turn trained in a text that starts with its own
-E_i), e.g. a Qwen3 conversation of two user questions becomes two samples.
+Where a reply is. Serving assistant turn i sends the render of ``messages[:i]`` with the
+generation prompt (P_i) and the model writes the reply G_i: its reasoning, text, tool
+calls and end-of-turn token, as the template renders the turn when it is the last one
+(E_i = render(messages[:i+1])). Usually E_i starts with P_i and G_i is the rest. Some
+templates render earlier turns differently once turn i follows (GPT-OSS drops a tool
+call's analysis once a final reply exists, Kimi-K2-Thinking earlier reasoning): then G_i
+is what follows the generation prompt in E_i, where turn i's own text starts (found by
+rendering the turn with its text replaced by a mark). The turn's serving text is
+S_i = P_i + G_i, and G_i's characters are the trained ones. A template whose generation
+prompt does not appear before its rendered reply (DeepSeek-R1's prompt ends with
+``<think>\n``, its replies have none) cannot show what the model writes: refused, naming
+the turn.
+
+One sample holds every turn whose S_i is a prefix of its text (the whole conversation's
+render when it can). Templates that render an earlier turn differently once a later
+question follows (Qwen3 drops the reasoning of replies before the last user question,
+GPT-OSS the analysis of earlier replies) break that: by default the conversation is
+refused naming the turn; with ``split_turns`` it is cut into as few samples as needed,
+each the serving text of its last turn, e.g. a Qwen3 conversation of two questions becomes
+two samples, while a chain of tool calls after one question stays one.
 
 ``train_reasoning=False`` / ``train_tool_calls=False`` leave the reasoning / the tool
 calls of each turn untrained: their characters are where the turn's render with and
