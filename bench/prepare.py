@@ -113,15 +113,17 @@ def tree_rss(root: int) -> tuple:
 
 def run(cmd: list, env: dict, cwd: Path) -> dict:
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    peak = biggest = 0
-    while proc.poll() is None:
-        total, big = tree_rss(proc.pid)
-        peak, biggest = max(peak, total), max(biggest, big)
-        time.sleep(0.2)
-    out = proc.stdout.read()
-    seconds = time.perf_counter() - t0
+    with tempfile.TemporaryFile("w+") as log:  # a file, not a pipe: a full pipe would block it
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                                text=True)
+        peak = biggest = 0
+        while proc.poll() is None:
+            total, big = tree_rss(proc.pid)
+            peak, biggest = max(peak, total), max(biggest, big)
+            time.sleep(0.2)
+        seconds = time.perf_counter() - t0
+        log.seek(0)
+        out = log.read()
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{out[-3000:]}")
     tokens = None
