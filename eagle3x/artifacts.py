@@ -20,7 +20,7 @@ from typing import Any, Dict, Iterator, Optional
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
-_EDGE = 1 << 20
+_EDGE = 1 << 20  # the longest first record remembered
 
 
 class ArtifactError(Exception):
@@ -41,37 +41,152 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-#: file_fingerprint's memo: (path, inode, size, mtime_ns) -> fingerprint. A file is read
-#: once per process however many stages, sweep jobs or checks ask; an edit changes the key.
-_FINGERPRINTS: Dict[tuple, str] = {}
+#: Input facts in this process: (path, inode, size, mtime_ns, ctime_ns) -> InputFacts. A
+#: file is read once per process however many stages, sweep jobs or checks ask; an edit
+#: changes the key. `memo` folders keep them across processes (input_facts).
+_FINGERPRINTS: Dict[tuple, "InputFacts"] = {}
+#: Records parsed for the sample facts (first record, characters per record).
+SAMPLE_RECORDS = 200
+_BLOCK = 1 << 22
 
 
-def file_fingerprint(path: str | Path) -> str:
-    """Content fingerprint of an input file or folder, cheap on large files.
+@dataclass(frozen=True)
+class InputFacts:
+    """What one read of an input file tells: its sha256 and, for a jsonl file, how many
+    records (non-blank lines) it holds, its first record and the text characters of its
+    first records (for size estimates). Read once and remembered by (path, inode, size,
+    mtime, ctime)."""
 
-    Files up to 64 MiB are hashed whole (the sha256 hex digest); larger ones by size plus
-    their first and last MiB (a changed length or edited ends changes the fingerprint).
+    sha256: str
+    size: int
+    #: non-blank lines
+    records: int
+    #: the first non-blank line (None when the file has none or it is over 1 MiB)
+    first_record: Optional[bytes]
+    #: parsed records among the first SAMPLE_RECORDS and the characters of their strings
+    sampled: int = 0
+    sample_chars: int = 0
+    #: the first non-blank line is not UTF-8 / not json (the reason), so it was not sampled
+    first_problem: Optional[str] = None
+    #: the line number of the first non-blank line
+    first_line: int = 1
+
+
+def _stat_key(p: Path) -> tuple:
+    st = p.stat()
+    return (str(p.absolute()), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def input_facts(path: str | Path, memo: Optional[str | Path] = None) -> InputFacts:
+    """The facts of input file `path` (one sequential read, see InputFacts).
+
+    Remembered in this process, and in folder `memo` when given (one small json per
+    file, keyed by path, inode, size, mtime and ctime: a rewrite, an append, a copy or a
+    same-size edit in the middle all change the key), so later runs do not read it again.
     """
     p = Path(path)
+    key = _stat_key(p)
+    facts = _FINGERPRINTS.get(key)
+    if facts is None and memo is not None:
+        facts = _read_memo(Path(memo), key)
+    if facts is None:
+        facts = _hash_input(p, key[2])
+        if memo is not None:
+            _write_memo(Path(memo), key, facts)
+    _FINGERPRINTS[key] = facts
+    return facts
+
+
+def _memo_file(memo: Path, key: tuple) -> Path:
+    return memo / f"{hashlib.sha256(key[0].encode()).hexdigest()[:24]}.json"
+
+
+def _read_memo(memo: Path, key: tuple) -> Optional[InputFacts]:
+    try:
+        with open(_memo_file(memo, key), encoding="utf-8") as f:
+            d = json.load(f)
+        if d.get("key") != list(key):
+            return None
+        first = d["first_record"]
+        return InputFacts(d["sha256"], d["size"], d["records"],
+                          None if first is None else first.encode("latin-1"),
+                          d["sampled"], d["sample_chars"], d["first_problem"], d["first_line"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_memo(memo: Path, key: tuple, facts: InputFacts) -> None:
+    try:
+        memo.mkdir(parents=True, exist_ok=True)
+        first = facts.first_record
+        write_json_atomic(_memo_file(memo, key), {
+            "key": list(key), "sha256": facts.sha256, "size": facts.size,
+            "records": facts.records, "sampled": facts.sampled,
+            "sample_chars": facts.sample_chars, "first_problem": facts.first_problem,
+            "first_line": facts.first_line,
+            "first_record": None if first is None else first.decode("latin-1")})
+    except OSError:
+        pass  # an unwritable cache only costs a later run one more read
+
+
+def file_fingerprint(path: str | Path, memo: Optional[str | Path] = None) -> str:
+    """Content fingerprint of an input file (its sha256, the whole file however large) or
+    folder (a digest of its files' fingerprints). Each file is read once and remembered
+    (input_facts)."""
+    p = Path(path)
     if p.is_dir():
-        return digest({f.relative_to(p).as_posix(): file_fingerprint(f)
+        return digest({f.relative_to(p).as_posix(): file_fingerprint(f, memo)
                        for f in sorted(p.rglob("*")) if f.is_file()}, 64)
-    st = p.stat()
-    key = (str(p.absolute()), st.st_ino, st.st_size, st.st_mtime_ns)
-    if key not in _FINGERPRINTS:
-        _FINGERPRINTS[key] = _hash_input(p, st.st_size)
-    return _FINGERPRINTS[key]
+    return input_facts(p, memo).sha256
 
 
-def _hash_input(p: Path, size: int) -> str:
-    if size <= 64 * _EDGE:
-        return sha256_file(p)
-    h = hashlib.sha256(str(size).encode())
+def _string_chars(obj: Any) -> int:
+    if isinstance(obj, str):
+        return len(obj)
+    if isinstance(obj, dict):
+        return sum(_string_chars(v) for v in obj.values())
+    if isinstance(obj, list):
+        return sum(_string_chars(v) for v in obj)
+    return 0
+
+
+def _hash_input(p: Path, size: int) -> InputFacts:
+    """One sequential read of `p`: sha256, non-blank lines, the first line, and the string
+    characters of the first SAMPLE_RECORDS records that parse as json."""
+    h = hashlib.sha256()
+    records = sampled = chars = lineno = 0
+    first_line = 1
+    first: Optional[bytes] = None
+    first_problem: Optional[str] = None
+    tail = b""
     with open(p, "rb") as f:
-        h.update(f.read(_EDGE))
-        f.seek(size - _EDGE)
-        h.update(f.read(_EDGE))
-    return h.hexdigest()
+        while True:
+            block = f.read(_BLOCK)
+            if not block:
+                lines = [tail] if tail else []
+            else:
+                h.update(block)
+                lines = (tail + block).split(b"\n")
+                tail = lines.pop()
+            for line in lines:
+                lineno += 1
+                if not line.strip():
+                    continue
+                records += 1
+                if records == 1:
+                    first = line if len(line) <= _EDGE else None
+                    first_line = lineno
+                if records <= SAMPLE_RECORDS and first_problem is None:
+                    try:
+                        chars += _string_chars(json.loads(line.decode("utf-8")))
+                        sampled += 1
+                    except (UnicodeDecodeError, ValueError) as exc:
+                        if records == 1:
+                            first_problem = type(exc).__name__
+            if not block:
+                break
+    return InputFacts(h.hexdigest(), size, records, first, sampled, chars, first_problem,
+                      first_line)
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> None:

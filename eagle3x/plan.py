@@ -10,8 +10,11 @@ and ``python -m eagle3x --plan ...`` prints it.
 Fingerprints key the shared artifact store (``<paths.artifacts>/<kind>/<fingerprint>``):
 
     regenerated  data content, format, verifier, regenerate.* settings, chat_template_kwargs
-    prepared  data content (or the regenerated artifact's fingerprint), verifier (config +
-              tokenizer), format, seed, max_seq_len, chat_template_kwargs when set
+    prepared  data content (or the regenerated artifact's fingerprint; a hub dataset's
+              name, config, split and commit), verifier (config + tokenizer), format, seed,
+              max_seq_len, the prepare format version, and when not the default
+              chat_template_kwargs, data.fields, split_turns, train_reasoning,
+              train_tool_calls
     hidden    prepared data, verifier, aux layer ids, stored dtype, storage format when
               not the default (not the sample count: extraction grows a prefix of the
               prepared order)
@@ -23,6 +26,9 @@ An explicit folder (``prepare.output_dir``, ``extract.prepared_data``, ``extract
 
 from __future__ import annotations
 
+import json
+import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
@@ -80,26 +86,69 @@ class VerifierRef:
         return float(self.info.raw.get("rms_norm_eps", 1e-6))
 
 
+#: What prepare makes of the same inputs and settings; in the prepared fingerprint, so an
+#: artifact of an earlier format is never reused (2: tool calls, reasoning, text parts).
+PREPARE_VERSION = 2
+
+
 @dataclass(frozen=True)
 class Source:
     """The conversations and the settings prepare applies to them."""
 
-    path: Path
+    #: a jsonl file or a datasets folder (None for a hub dataset)
+    path: Optional[Path]
     format: str
     seed: int
     max_seq_len: int
     #: content fingerprint of the file or folder (of the regenerated artifact, for
-    #: regenerated replies); None when it cannot be read
+    #: regenerated replies; of name, config, split and commit for a hub dataset); None
+    #: when it cannot be read
     fingerprint: Optional[str]
     #: extra chat-template arguments (data.chat_template_kwargs)
     template_kwargs: Dict[str, Any] = field(default_factory=dict)
+    #: a hub dataset (data.name), its config, split, and the commit this run reads
+    name: Optional[str] = None
+    config: Optional[str] = None
+    split: str = "train"
+    streaming: bool = False
+    revision: Optional[str] = None
+    #: the hub dataset is read from the local datasets cache
+    cached: bool = False
+    #: data.fields that are set (column names)
+    fields: Dict[str, str] = field(default_factory=dict)
+    train_reasoning: bool = True
+    train_tool_calls: bool = True
+    split_turns: bool = False
+    #: how prepare works (not what it makes): tokenizer processes, conversations per chunk
+    num_proc: int = 1
+    chunk_size: int = 4096
+    #: conversations in the input when known before reading it (jsonl: its records)
+    records: Optional[int] = None
+
+    @property
+    def label(self) -> str:
+        """The source as messages name it (file path, folder, or hub name)."""
+        return self.name if self.name else str(self.path)
 
     def settings(self) -> Dict[str, Any]:
         """What decides the prepared data, as json (recorded in its manifest)."""
-        out = {"data": str(self.path), "format": self.format, "seed": self.seed,
-               "max_seq_len": self.max_seq_len}
-        if self.template_kwargs:  # absent when empty: earlier fingerprints stay valid
+        if self.name:
+            out: Dict[str, Any] = {"data": self.name, "config": self.config, "split": self.split,
+                                   "revision": self.revision}
+        else:
+            out = {"data": str(self.path)}
+        out.update(format=self.format, seed=self.seed, max_seq_len=self.max_seq_len)
+        # each key absent when at its default: fingerprints of other settings stay valid
+        if self.template_kwargs:
             out["chat_template_kwargs"] = dict(self.template_kwargs)
+        if self.fields:
+            out["fields"] = dict(self.fields)
+        if not self.train_reasoning:
+            out["train_reasoning"] = False
+        if not self.train_tool_calls:
+            out["train_tool_calls"] = False
+        if self.split_turns:
+            out["split_turns"] = True
         return out
 
 
@@ -264,10 +313,9 @@ def resolve(cfg: Eagle3xConfig, run_dir: Optional[Path] = None,
                        verifier.fingerprint(vpath, tiny=cfg.verifier.tiny), info)
     aux = tuple(verifier.aux_layers(cfg.extract.aux_layer_ids, info.num_layers))
 
-    data = _abs(cfg.data.path)
     kwargs = dict(cfg.data.chat_template_kwargs or {})
-    original = Source(data, cfg.data.format.value, cfg.data.seed, cfg.extract.max_seq_len,
-                      artifacts.file_fingerprint(data) if data.exists() else None, kwargs)
+    original = data_source(cfg)
+    data = original.label
     store = _abs(cfg.paths.artifacts)
     regen_fp = None
     if original.fingerprint is not None:
@@ -275,7 +323,8 @@ def resolve(cfg: Eagle3xConfig, run_dir: Optional[Path] = None,
         settings.pop("output_dir")
         regen_fp = artifacts.digest({"data": original.fingerprint, "format": original.format,
                                      "verifier": vref.fingerprint, "settings": settings,
-                                     "chat_template_kwargs": kwargs})
+                                     "chat_template_kwargs": kwargs,
+                                     **({"fields": original.fields} if original.fields else {})})
     if cfg.regenerate.output_dir:
         regenerated = ArtifactRef("regenerated", _abs(cfg.regenerate.output_dir), regen_fp, True)
     else:
@@ -284,10 +333,15 @@ def resolve(cfg: Eagle3xConfig, run_dir: Optional[Path] = None,
     source = original
     if cfg.data.responses is Responses.regenerated:
         source = Source(regenerated.folder / REGENERATED, "messages", cfg.data.seed,
-                        cfg.extract.max_seq_len, regenerated.fingerprint, kwargs)
+                        cfg.extract.max_seq_len, regenerated.fingerprint, kwargs,
+                        train_reasoning=original.train_reasoning,
+                        train_tool_calls=original.train_tool_calls,
+                        split_turns=original.split_turns, num_proc=original.num_proc,
+                        chunk_size=original.chunk_size)
     prepared_fp = None
     if source.fingerprint is not None:
         prepared_fp = artifacts.digest({"data": source.fingerprint, "verifier": vref.fingerprint,
+                                        "prepare_version": PREPARE_VERSION,
                                         **{k: v for k, v in source.settings().items()
                                            if k != "data"}})
 
@@ -296,7 +350,8 @@ def resolve(cfg: Eagle3xConfig, run_dir: Optional[Path] = None,
             return ArtifactRef(kind, _abs(explicit), fp, True)
         if fp is None:
             raise PlanError(key, f"no folder for the {kind} artifact: the prepared data at "
-                                 f"{prepared_dir} does not exist and {data} (data.path) cannot "
+                                 f"{prepared_dir} does not exist and {data} "
+                                 f"({'data.name' if original.name else 'data.path'}) cannot "
                                  f"be read to make it; set {key}")
         return ArtifactRef(kind, store / kind / fp, fp, False)
 
@@ -331,6 +386,176 @@ def resolve(cfg: Eagle3xConfig, run_dir: Optional[Path] = None,
         draft_vocab_size=cfg.vocab.draft_vocab_size,
         split=Split(cfg.data.holdout_samples, cfg.data.num_samples, cfg.extract.min_samples),
         resume=Resume.parse(cfg.train.resume), run_dir=out, config=config_record(cfg))
+
+
+def input_memo(cfg: Eagle3xConfig) -> Path:
+    """Where input files' facts (sha256, records) are remembered between runs."""
+    return _abs(cfg.paths.cache) / "inputs"
+
+
+def data_source(cfg: Eagle3xConfig) -> Source:
+    """The data's own conversations (data.*): a file or folder read once for its facts
+    (remembered by path, inode, size, mtime and ctime), or a hub dataset's revision."""
+    d = cfg.data
+    common = dict(seed=d.seed, max_seq_len=cfg.extract.max_seq_len,
+                  template_kwargs=dict(d.chat_template_kwargs or {}),
+                  fields={k: v for k, v in vars(d.fields).items() if v},
+                  train_reasoning=d.train_reasoning, train_tool_calls=d.train_tool_calls,
+                  split_turns=d.split_turns, num_proc=num_procs(d.num_proc),
+                  chunk_size=d.chunk_size)
+    if d.name:
+        hub = hub_source(d.name, d.config, d.split)
+        fp = None if hub.revision is None else artifacts.digest(
+            {"hub": d.name, "config": d.config, "split": d.split, "revision": hub.revision})
+        return Source(None, d.format.value, fingerprint=fp, name=d.name, config=d.config,
+                      split=d.split, streaming=d.streaming, revision=hub.revision,
+                      cached=hub.cached, records=hub.records, **common)
+    path = _abs(d.path)
+    memo = input_memo(cfg)
+    fp = records = None
+    if path.is_file():
+        facts = artifacts.input_facts(path, memo)
+        fp, records = facts.sha256, facts.records
+    elif path.exists():
+        fp = artifacts.file_fingerprint(path, memo)
+    return Source(path, d.format.value, fingerprint=fp, records=records, **common)
+
+
+def num_procs(value: Optional[int]) -> int:
+    """data.num_proc, null meaning the CPUs this process may use, at most 8."""
+    if value:
+        return value
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, 8))
+
+
+@dataclass(frozen=True)
+class HubRef:
+    """A hub dataset as this run reads it: the commit (None: unknown), from the local cache
+    or the hub, its examples in the split (from the cache's dataset_info.json), and why it
+    cannot be read."""
+
+    revision: Optional[str]
+    cached: bool
+    records: Optional[int] = None
+    problem: Optional[str] = None
+
+
+_HUB: Dict[tuple, HubRef] = {}
+
+
+def hub_source(name: str, config: Optional[str], split: str) -> HubRef:
+    """Where hub dataset `name` is read from: the hub's current commit when it answers
+    (from the cache when that commit is cached), else the newest cached copy; asked once
+    per process."""
+    key = (name, config, split)
+    if key not in _HUB:
+        sha, why = hub_revision(name)
+        cached = hub_cached(name, config, split)
+        if sha is not None:
+            have = cached is not None and cached[0] == sha
+            _HUB[key] = HubRef(sha, have, cached[2] if have else None)
+        elif cached is not None:
+            _HUB[key] = HubRef(cached[0], True, cached[2])
+        else:
+            _HUB[key] = HubRef(None, False, problem=(
+                f"not in the local datasets cache ({hub_cache_dir()}) and {why}"))
+    return _HUB[key]
+
+
+# -- hub datasets (no heavy import: the startup checks use these) ------------------------
+
+_UPPER_UPPER = re.compile(r"([A-Z]+)([A-Z][a-z])")
+_LOWER_UPPER = re.compile(r"([a-z\d])([A-Z])")
+
+
+def snake_name(name: str) -> str:
+    """`datasets.naming.camelcase_to_snakecase`: how a dataset's name is spelled in the
+    datasets cache (a test holds the two equal)."""
+    name = _UPPER_UPPER.sub(r"\1_\2", name)
+    name = _LOWER_UPPER.sub(r"\1_\2", name)
+    return name.lower()
+
+
+def hub_cache_dir() -> Path:
+    """The datasets cache (HF_DATASETS_CACHE, else $HF_HOME/datasets)."""
+    if os.environ.get("HF_DATASETS_CACHE"):
+        return Path(os.environ["HF_DATASETS_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(home).expanduser() / "datasets"
+
+
+def _hub_root(name: str) -> Path:
+    ns, _, short = name.rpartition("/")
+    base = snake_name(short)
+    return hub_cache_dir() / (f"{ns}___{base}" if ns else base)
+
+
+def hub_cached_config(name: str) -> Optional[str]:
+    configs = sorted(p.name for p in _hub_root(name).glob("*") if p.is_dir())
+    return "default" if "default" in configs else (configs[0] if configs else None)
+
+
+def hub_cached(name: str, config: Optional[str], split: str
+               ) -> Optional[Tuple[str, Path, Optional[int]]]:
+    """(revision, folder, examples in the split) of the newest cached copy of hub dataset
+    `name` (config) holding `split`, or None. The datasets cache keeps ``<org>___<name>/<config>/<version>/<hash>``,
+    the hash being the hub commit it was made from."""
+    config = config or hub_cached_config(name)
+    if config is None:
+        return None
+    found = []
+    for info in _hub_root(name).glob(f"{config}/*/*/dataset_info.json"):
+        try:
+            splits = json.loads(info.read_text(encoding="utf-8")).get("splits") or {}
+        except (OSError, ValueError):
+            continue
+        if split in splits:
+            n = (splits[split] or {}).get("num_examples")
+            found.append((info.stat().st_mtime, info.parent.name, info.parent,
+                          n if isinstance(n, int) else None))
+    if not found:
+        return None
+    _, revision, folder, n = max(found)
+    return revision, folder, n
+
+
+def hub_cached_folder(name: str, config: Optional[str], revision: str) -> Optional[Path]:
+    """The cached copy of hub dataset `name` (config) made from commit `revision`."""
+    config = config or hub_cached_config(name)
+    found = sorted(_hub_root(name).glob(f"{config}/*/{revision}/dataset_info.json"))
+    return found[-1].parent if found else None
+
+
+def hub_offline() -> bool:
+    return any(os.environ.get(k, "").strip().lower() in ("1", "true", "yes", "on")
+               for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def hub_revision(name: str, timeout: float = 5.0) -> Tuple[Optional[str], Optional[str]]:
+    """(commit sha of hub dataset `name`, None) from the hub's API, or (None, why not)."""
+    if hub_offline():
+        return None, "offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set)"
+    import urllib.error
+    import urllib.request
+
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    req = urllib.request.Request(f"{endpoint}/api/datasets/{name}")
+    token = os.environ.get("HF_TOKEN")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            sha = json.loads(r.read().decode("utf-8")).get("sha")
+    except urllib.error.HTTPError as exc:
+        return None, f"the hub answers HTTP {exc.code} for it"
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return None, f"the hub cannot be reached ({getattr(exc, 'reason', exc)})"
+    return (sha, None) if isinstance(sha, str) else (None, "the hub's answer has no revision")
 
 
 def config_record(cfg: Any) -> Dict[str, Any]:

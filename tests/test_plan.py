@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -148,22 +149,102 @@ def test_file_fingerprint_is_read_once_until_the_file_changes(tmp_path, monkeypa
     assert artifacts.file_fingerprint(f) != first and len(reads) == 2
 
 
-def test_a_train_run_hashes_each_input_file_once(store, tiny_verifier, monkeypatch, tmp_path):
-    """The whole `stage=train` command in-process (validation + every stage), counting reads."""
+def test_a_same_size_edit_in_the_middle_is_a_new_fingerprint(tmp_path):
+    """The whole file is hashed (not its size and ends), and the memo is keyed by the
+    file's inode, size, mtime and ctime, so an edit that keeps the size is seen."""
+    from eagle3x import artifacts
+
+    f = tmp_path / "big.jsonl"
+    line = b'{"messages": [{"role": "user", "content": "x"}]}\n'
+    f.write_bytes(line * 60000)  # ~3 MB: several read blocks
+    memo = tmp_path / "memo"
+    first = artifacts.file_fingerprint(f, memo)
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] = ord("y") if data[len(data) // 2] != ord("y") else ord("z")
+    stat = f.stat()
+    f.write_bytes(bytes(data))
+    os.utime(f, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # even with the old mtime
+    assert f.stat().st_size == stat.st_size
+    artifacts._FINGERPRINTS.clear()
+    assert artifacts.file_fingerprint(f, memo) != first
+    assert artifacts.input_facts(f, memo).records == 60000
+
+
+def test_input_facts_are_remembered_across_processes(tmp_path, monkeypatch):
+    """A second process (here: a cleared in-process memo) reads the facts from the memo
+    folder, not the file; a rewrite of the file is read again."""
+    from eagle3x import artifacts
+
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"a": "xy"}\n\n{"a": "z"}\n')
+    memo = tmp_path / "memo"
+    reads = []
+    real = artifacts._hash_input
+    monkeypatch.setattr(artifacts, "_hash_input", lambda p, size: reads.append(p) or real(p, size))
+    facts = artifacts.input_facts(f, memo)
+    assert (facts.records, facts.first_line, facts.sampled, facts.sample_chars) == (2, 1, 2, 3)
+    artifacts._FINGERPRINTS.clear()
+    assert artifacts.input_facts(f, memo) == facts and len(reads) == 1
+    f.write_text('{"a": "xy"}\n')
+    artifacts._FINGERPRINTS.clear()
+    assert artifacts.input_facts(f, memo).records == 1 and len(reads) == 2
+
+
+def _count_opens(monkeypatch, path: Path) -> list:
+    """Every open() of `path` from now on (builtins.open and io.open, which pathlib uses)."""
+    import builtins
+    import io
+
+    opened = []
+    target = str(path.resolve())
+    real = builtins.open
+
+    def counting(file, *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and os.path.realpath(file) == target:
+            opened.append(args[0] if args else kwargs.get("mode", "r"))
+        return real(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting)
+    monkeypatch.setattr(io, "open", counting)
+    return opened
+
+
+def test_stage_all_opens_the_data_file_twice_and_a_reusing_run_never(
+        store, tiny_verifier, monkeypatch, tmp_path):
+    """`stage=all` in-process (validation, then every stage): the data file is opened once
+    to hash it (the same read counts its records and checks its first one) and once to
+    prepare it; a second run, with nothing in this process remembered, reuses every
+    artifact and the remembered facts and opens it not at all. Each input file is hashed
+    once."""
+    import shutil
+
     from eagle3x import artifacts
     from eagle3x.__main__ import validate
     from eagle3x.pipeline import run_stages, stages_for
+    from eagle3x.resources import resource
 
+    data = tmp_path / "conversations.jsonl"  # a path no earlier run has hashed
+    shutil.copyfile(resource("sample_conversations.jsonl"), data)
     artifacts._FINGERPRINTS.clear()
     reads = []
     real = artifacts._hash_input
     monkeypatch.setattr(artifacts, "_hash_input", lambda p, size: reads.append(str(p)) or real(p, size))
-    argv = ["stage=train", "engine=hf", "logger=none", "data.num_samples=16",
-            "trainer.max_steps=2", "train.ttt_steps=2", f"train.output_dir={tmp_path / 'run'}"]
+    opened = _count_opens(monkeypatch, data)
+    argv = ["stage=all", "engine=hf", "logger=none", "data=jsonl", f"data.path={data}",
+            "data.num_samples=16", "trainer.max_steps=2", "train.ttt_steps=2",
+            f"train.output_dir={tmp_path / 'run'}"]
     assert validate(argv) == []
     settings, p = plan_for(argv)
     outcomes = run_stages(p, settings, stages_for(settings.stage))
-    assert [o.kind for o in outcomes] == ["prepared", "hidden", "vocab", "draft"]
+    assert [o.kind for o in outcomes] == ["prepared", "hidden", "vocab", "draft", "eval"]
     assert [o.status for o in outcomes[:3]] == ["built"] * 3
-    assert str(p.source.path) in reads
-    assert len(reads) == len(set(reads)), sorted(reads)
+    assert len(opened) == 2, opened
+    assert str(data) in reads and len(reads) == len(set(reads)), sorted(reads)
+
+    artifacts._FINGERPRINTS.clear()
+    opened.clear()
+    assert validate(argv) == []
+    settings, p = plan_for(argv)
+    outcomes = run_stages(p, settings, stages_for(settings.stage))
+    assert [o.status for o in outcomes[:3]] == ["reused"] * 3
+    assert opened == []

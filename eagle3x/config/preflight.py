@@ -19,8 +19,9 @@ from eagle3x import artifacts
 from eagle3x.config.problems import Problem
 from eagle3x.config.schema import (EngineName, Eagle3xConfig, HiddenSource, LoggerName,
                                    TrainerConfig)
-from eagle3x.data.conversations import check_source, count_records
-from eagle3x.plan import PlanError, RunPlan, Resume, read_verifier_info, resolve
+from eagle3x.data.conversations import Fields, check_source, count_records
+from eagle3x.plan import (PlanError, RunPlan, Resume, hub_source, input_memo, read_verifier_info,
+                          resolve)
 from eagle3x.verifier import VerifierInfo, read_info, verifier_context
 
 #: Bytes per stored hidden value, by extract.dtype.
@@ -148,11 +149,9 @@ def preflight(cfg: Eagle3xConfig, runs: Sequence[str], checks: Sequence[Check],
     prepared_named = bool(cfg.extract.prepared_data or cfg.prepare.output_dir)
     data_ok = True
     if "prepare" in runs or not prepared_named:
-        why = check_source(cfg.data.path, cfg.data.format.value)
-        if why:
-            data_ok = False
-            problems.append(Problem("data.path", why if ":" in why else f"{cfg.data.path} {why}.",
-                                    value=str(cfg.data.path)))
+        found = data_problems(cfg)
+        data_ok = not found
+        problems += found
     if data_ok:
         problems += _split(cfg, runs)
 
@@ -187,16 +186,58 @@ def preflight(cfg: Eagle3xConfig, runs: Sequence[str], checks: Sequence[Check],
     return problems
 
 
+def data_problems(cfg: Eagle3xConfig) -> List[Problem]:
+    """The conversations can be read: a jsonl file whose first record is a conversation
+    (read once, the same read that fingerprints it), a datasets folder, or a hub dataset
+    that is cached or reachable (and `datasets` to read it)."""
+    d = cfg.data
+    if d.name and d.path:
+        return [Problem("data.name", f"both data.name={d.name} (a hub dataset) and "
+                                     f"data.path={d.path} are set; which one?",
+                        value=d.name, hint="data=hf data.name=... for a hub dataset, "
+                                           "data=jsonl data.path=... for a file")]
+    if d.name:
+        import importlib.util
+
+        if importlib.util.find_spec("datasets") is None:
+            return [Problem("data.name", "reading a hub dataset needs the `datasets` package.",
+                            value=d.name, hint="pip install datasets")]
+        hub = hub_source(d.name, d.config, d.split)
+        if hub.revision is None:
+            what = d.name + (f" (config {d.config})" if d.config else "") + f", split {d.split}"
+            return [Problem("data.name", f"the dataset {what} cannot be read: {hub.problem}.",
+                            value=d.name,
+                            hint="connect to the hub once (it is cached then), or check the "
+                                 "name, data.config and data.split")]
+        return []
+    if not d.path:  # data=hf sets path to null: the name is what is missing
+        return [Problem("data.name", "required, and not set.", value=None,
+                        hint="data.name=org/name (a hub dataset), or data=jsonl data.path=... "
+                             "(a file)")]
+    fields = Fields(**{k: v for k, v in vars(d.fields).items() if v})
+    why = check_source(d.path, d.format.value, fields, input_memo(cfg))
+    if why:
+        return [Problem("data.path", why if ":" in why else f"{d.path} {why}.", value=str(d.path))]
+    return []
+
+
+def _records(cfg: Eagle3xConfig) -> Optional[int]:
+    """Conversations in the data when known without reading it again (None: unknown)."""
+    if cfg.data.name:
+        return hub_source(cfg.data.name, cfg.data.config, cfg.data.split).records
+    return count_records(cfg.data.path, input_memo(cfg)) if Path(cfg.data.path).is_file() else None
+
+
 def _split(cfg: Eagle3xConfig, runs: Sequence[str]) -> List[Problem]:
     """The held-out + training samples must exist in the conversations."""
-    n = count_records(cfg.data.path) if Path(cfg.data.path).is_file() else None
+    n = _records(cfg)
     hold, want = cfg.data.holdout_samples, cfg.data.num_samples or 1
     # prepare and regenerate read every conversation; the split binds later stages.
     split_matters = bool(set(runs) - {"prepare", "regenerate"}) or cfg.data.num_samples is not None
     if n is not None and split_matters and hold + want > n:
         key = "data.num_samples" if cfg.data.num_samples else "data.holdout_samples"
         return [Problem(key, f"asks for {hold} held-out + {want} training samples "
-                             f"but {cfg.data.path} holds {n}.",
+                             f"but {cfg.data.name or cfg.data.path} holds {n}.",
                         value=str(cfg.data.num_samples or hold))]
     return []
 
@@ -751,21 +792,16 @@ def estimate_tokens(cfg: Eagle3xConfig, plan: RunPlan) -> Tuple[int, str]:
         n = min((cfg.data.num_samples or stats["samples"]) + cfg.data.holdout_samples,
                 stats["samples"])
         return int(stats["tokens"] * n / max(stats["samples"], 1)), "from the prepared data"
-    # No prepared data yet: about 3.5 characters a token, read from the first records.
-    from eagle3x.data.conversations import iter_conversations
-
-    chars, seen = 0, 0
-    try:
-        for conv in iter_conversations(cfg.data.path, cfg.data.format.value, limit=200):
-            chars += sum(len(m["content"]) + 8 for m in conv.messages)
-            seen += 1
-    except Exception:
+    # No prepared data yet: about 3.5 characters a token, from the text of the first
+    # records (read with the file's fingerprint, not again).
+    if plan.source.path is None or not plan.source.path.is_file():
         return 0, "unknown"
-    if not seen:
+    facts = artifacts.input_facts(plan.source.path, input_memo(cfg))
+    if not facts.sampled:
         return 0, "unknown"
     total = (cfg.data.num_samples + cfg.data.holdout_samples if cfg.data.num_samples
-             else count_records(cfg.data.path) or seen)
-    per = min(chars / seen / 3.5, cfg.extract.max_seq_len)
+             else facts.records)
+    per = min(facts.sample_chars / facts.sampled / 3.5, cfg.extract.max_seq_len)
     return int(per * total), "estimated from the conversations"
 
 

@@ -9,6 +9,7 @@ This module must stay light: it imports nothing heavier than omegaconf.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, Dict, List, Optional
@@ -142,11 +143,35 @@ class VerifierConfig:
     trust_remote_code: bool = False
 
 
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+@dataclass
+class DataFieldsConfig:
+    """Column names in the records (null: the defaults)."""
+
+    # The turns: default "messages" (OpenAI) or "conversations" (ShareGPT).
+    messages: Optional[str] = None
+    # The conversation's tool definitions (a list, or a json string of one): default "tools".
+    tools: Optional[str] = None
+    # A system prompt put first (LLaMA-Factory's "system" column): none by default.
+    system: Optional[str] = None
+
+
 @dataclass
 class DataConfig:
-    """Conversations to train on: a jsonl file or a local HF `datasets` folder."""
+    """Conversations to train on: a jsonl file, a local `datasets` folder, or a dataset on
+    the Hugging Face hub by name (data=hf)."""
 
-    path: str = MISSING
+    path: Optional[str] = MISSING
+    # A hub dataset instead of path (data=hf data.name=org/name): read through `datasets`,
+    # from its local cache when the hub cannot be reached.
+    name: Optional[str] = checked(None, lambda v: v is None or bool(_HUB_NAME.fullmatch(v)),
+                                  "must be a hub dataset name, org/name")
+    config: Optional[str] = None
+    split: str = "train"
+    streaming: bool = False
+    fields: DataFieldsConfig = field(default_factory=DataFieldsConfig)
     format: DataFormat = DataFormat.auto
     # The first `holdout_samples` of the seeded order are held out (validation, eval) and
     # shared by every run on this data; training uses the next `num_samples` (null = all).
@@ -159,6 +184,21 @@ class DataConfig:
     # Extra arguments of the verifier's chat template (e.g. {enable_thinking: false} for
     # Qwen3), used by regenerate and prepare alike, so the trained template is the served one.
     chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
+    # Train each assistant turn's reasoning trace / tool calls (else they stay in the text,
+    # untrained).
+    train_reasoning: bool = True
+    train_tool_calls: bool = True
+    # A template that renders an earlier turn differently once later turns follow (Qwen3,
+    # Kimi-K2-Thinking and GPT-OSS drop earlier turns' reasoning) cannot hold the whole
+    # conversation in one sample as serving renders it: false refuses it naming the turn;
+    # true cuts it into as few samples as that needs, each ending with the turns it trains.
+    split_turns: bool = False
+    # Tokenizer processes for prepare (null: the CPUs, at most 8); one process for inputs
+    # of a single chunk.
+    num_proc: Optional[int] = at_least(1, None, "must be at least 1 (or null: the CPUs, up to 8)")
+    # Conversations per prepare chunk: the unit encoded by a process, written whole and
+    # skipped when a killed prepare is run again.
+    chunk_size: int = at_least(1, 4096)
 
 
 @dataclass

@@ -3,16 +3,23 @@
 A folder ``<paths.artifacts>/regenerated/<fingerprint>/`` holds ``chunk-NNNNN.jsonl``
 (each written whole: temporary name, then rename), ``manifest.json`` (the chunks done,
 updated after each) and, once every chunk is done, ``conversations.jsonl``: one
-``{"messages": [...], "source_line": n, "hit_length": bool}`` per kept conversation, in
-input order. A killed run resumes at the first chunk not in the manifest; a finished
-chunk is never generated again.
+``{"messages": [...], "tools": [...], "source_line": n, "hit_length": bool}`` per kept
+conversation (``tools`` when it has them), in input order. A killed run resumes at the
+first chunk not in the manifest; a finished chunk is never generated again.
 
-Each conversation keeps its system/user/tool turns; its assistant turns (all, or the last
-with ``regenerate.turns=last``) are replaced in order, each generated from the chat
-template's render of the conversation so far (earlier turns already regenerated) with
-the generation prompt. A reply that reaches ``regenerate.max_new_tokens`` (or the
-verifier's context) is marked ``hit_length`` and counted; ``regenerate.on_length=drop``
-drops its conversation. A reply that is empty drops its conversation (nothing to learn).
+Each conversation keeps its system/user/tool turns and its tools; its assistant text
+replies (all, or the last with ``regenerate.turns=last``) are replaced in order, each
+generated from the chat template's render of the conversation so far (earlier turns
+already regenerated; the conversation's tools passed) with the generation prompt.
+Assistant turns that call tools are kept as written: the tool results after them answer
+those calls, and a regenerated reply would call other tools with other results, which
+only running the tools could give. A regenerated reply replaces the turn's text and its
+reasoning (the original author's): text the verifier wrote inside ``<think>...</think>``
+becomes the turn's ``reasoning_content`` (as vLLM's reasoning parsers split it), the rest
+its content; formats with special-token channels (GPT-OSS harmony) are not parsed. A
+reply that reaches ``regenerate.max_new_tokens`` (or the verifier's context) is marked
+``hit_length`` and counted; ``regenerate.on_length=drop`` drops its conversation. A
+reply that is empty drops its conversation (nothing to learn).
 """
 
 from __future__ import annotations
@@ -37,8 +44,19 @@ def chunk_name(index: int) -> str:
 
 
 def _turns(messages: List[dict], which: Turns) -> List[int]:
-    idx = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    """The assistant text replies to regenerate (turns calling tools are kept)."""
+    idx = [i for i, m in enumerate(messages) if m["role"] == "assistant" and not m.get("tool_calls")]
     return idx[-1:] if which is Turns.last else idx
+
+
+def split_reasoning(text: str) -> Dict[str, str]:
+    """A generated reply as a message: text before ``</think>`` (an opening ``<think>``
+    dropped) as ``reasoning_content``, the rest as ``content``."""
+    if "</think>" not in text:
+        return {"role": "assistant", "content": text}
+    thought, _, answer = text.partition("</think>")
+    thought = thought.split("<think>", 1)[-1].strip("\n")
+    return {"role": "assistant", "content": answer.lstrip("\n"), "reasoning_content": thought}
 
 
 def regenerate_chunk(generator: Any, tokenizer: Any, convs: List[Any], first: int,
@@ -60,7 +78,7 @@ def regenerate_chunk(generator: Any, tokenizer: Any, convs: List[Any], first: in
         batch = [k for k, t in enumerate(todo) if step < len(t) and not dead[k]]
         prompts, limits = [], []
         for k in batch:
-            text = render(tokenizer, msgs[k][:todo[k][step]], True, template_kwargs)
+            text = render(tokenizer, msgs[k][:todo[k][step]], True, template_kwargs, convs[k].tools)
             prompt = tokenizer(text, add_special_tokens=False).input_ids
             prompts.append(prompt)
             limits.append(max(1, min(settings.max_new_tokens, context - len(prompt) - 1)))
@@ -81,11 +99,12 @@ def regenerate_chunk(generator: Any, tokenizer: Any, convs: List[Any], first: in
             if reply.hit_length:
                 counts["hit_length"] += 1
                 hit[k] = True
-            if not text:
+            reply_msg = split_reasoning(text)
+            if not reply_msg["content"].strip() and not reply_msg.get("reasoning_content"):
                 counts["empty"] += 1
                 dead[k] = "empty_reply"
                 continue
-            msgs[k][todo[k][step]]["content"] = text
+            msgs[k][todo[k][step]] = reply_msg
     records = []
     dropped = {"too_long_prompt": 0, "empty_reply": 0, "hit_length": 0}
     for k, conv in enumerate(convs):
@@ -95,7 +114,8 @@ def regenerate_chunk(generator: Any, tokenizer: Any, convs: List[Any], first: in
         if hit[k] and settings.on_length is OnLength.drop:
             dropped["hit_length"] += 1
             continue
-        records.append({"messages": msgs[k], "source_line": conv.line, "hit_length": hit[k]})
+        records.append({"messages": msgs[k], **({"tools": conv.tools} if conv.tools else {}),
+                        "source_line": conv.line, "hit_length": hit[k]})
     return records, {**counts, "dropped": dropped}
 
 
@@ -119,7 +139,7 @@ def regenerate(plan: RunPlan, settings: RegenerateConfig,
     from filelock import FileLock
     from tqdm import tqdm
 
-    from eagle3x.data.conversations import iter_conversations
+    from eagle3x.data.conversations import iter_conversations, reader
     from eagle3x.engines.generate import stop_ids
     from eagle3x.verifier import load_tokenizer
 
@@ -133,11 +153,11 @@ def regenerate(plan: RunPlan, settings: RegenerateConfig,
             m = artifacts.read_manifest(out)
         except artifacts.ArtifactError:
             m = artifacts.new_manifest("regenerated", plan.config, fp, chunks=[],
-                                       source=str(plan.original.path))
+                                       source=plan.original.label)
         if m.get("fingerprint") != fp:
             raise artifacts.ArtifactError(f"{out}: holds regenerated replies of other data, "
                                           "verifier or settings; eagle3x will not mix them")
-        convs = list(iter_conversations(plan.original.path, plan.original.format))
+        convs = list(iter_conversations(reader(plan.original)))
         size = settings.chunk_size
         n_chunks = (len(convs) + size - 1) // size
         done = {c["index"] for c in m["chunks"]
