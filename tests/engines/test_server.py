@@ -318,7 +318,9 @@ def test_two_training_processes_each_ask_the_servers_for_their_own_batches(
     made = summary["hidden_samples_made"]
     # the global batch of 8 at each of 6 steps, the 8 held-out samples at 2 validations
     assert made[0] == made[1] and sum(made) == STEPS * 8 + 2 * 8 == counting.completions
-    same_draft(failover[0], run)  # two processes sum in another order
+    # two processes sum in another order, over hidden states the server batched otherwise:
+    # both roundings compound through Adam (each alone stays under 1e-4)
+    same_draft(failover[0], run, rel=5e-4)
 
 
 @pytest.mark.vllm
