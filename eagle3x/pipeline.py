@@ -128,14 +128,18 @@ def stages_for(stage: Stage, settings: Optional[Eagle3xConfig] = None) -> List[S
 
 
 def run_stages(plan: RunPlan, settings: Eagle3xConfig, stages: Sequence[StageSpec],
-               seconds: Optional[Dict[str, float]] = None) -> List[Outcome]:
-    """Run `stages` in order for `plan`; each gets the plan and its config sections.
-    Every stage's precheck runs first: problems raise `Refused` before anything starts."""
+               seconds: Optional[Dict[str, float]] = None,
+               started: Optional[List[str]] = None) -> List[Outcome]:
+    """Run `stages` in order for `plan`; each gets the plan and its config sections
+    (`started` gets each stage's name as it starts). Every stage's precheck runs first:
+    problems raise `Refused` before anything starts."""
     problems = [x for spec in stages if spec.precheck for x in spec.precheck(plan, settings)]
     if problems:
         raise Refused(problems)
     outcomes = []
     for spec in stages:
+        if started is not None:
+            started.append(spec.name)
         t0 = time.perf_counter()
         out = spec.run(plan, **{name: getattr(settings, name) for name in spec.sections})
         took = time.perf_counter() - t0
@@ -162,8 +166,13 @@ def start(settings: Eagle3xConfig, run_dir: Optional[Path] = None) -> RunPlan:
 
 
 def run(cfg: Any) -> Optional[str]:
-    """Hydra's job: run cfg.stage; known errors end the process with one line and status 1."""
-    from eagle3x import artifacts, console
+    """Hydra's job: run cfg.stage; known errors end the process with one line and status 1.
+
+    A stage that stops early (``failures.Stopped``: a signal, a failed rank) or whose
+    engine dies (``engines.base.EngineFailed``, also as the cause of another error) ends
+    with one console line: what stopped and why (read from the engine's log), what is
+    kept, the command that continues; the traceback goes to the job's log file."""
+    from eagle3x import artifacts, console, failures
     from eagle3x.artifacts import ArtifactError
     from eagle3x.config.compose import typed
     from eagle3x.data.conversations import DataError
@@ -171,13 +180,28 @@ def run(cfg: Any) -> Optional[str]:
 
     settings = typed(cfg)
     seconds: Dict[str, float] = {}
+    started: List[str] = []
     loud = settings.log.libraries or _hydra_verbose()
     _share_job_with_ranks()
+    plan: Optional[RunPlan] = None
+
+    def reporter(exc: BaseException, stage: Optional[str] = None) -> int:
+        line, code = stop_report(exc, stage or (started[-1] if started else None), plan,
+                                 settings)
+        log.error("%s", line, exc_info=exc if exc.__traceback__ else None,
+                  extra=console.LOG_ONLY)
+        out = console.stream() if console.log_file() is not None else sys.stderr
+        out.write(f"eagle3x: {line}\n")
+        out.flush()
+        return code
+
+    failures.set_reporter(reporter)
     try:
         with console.quiet(None if loud else console.job_log_file()):
             try:
                 plan = start(settings, _hydra_job_dir())
-                outcomes = run_stages(plan, settings, stages_for(settings.stage, settings), seconds)
+                outcomes = run_stages(plan, settings, stages_for(settings.stage, settings),
+                                      seconds, started)
                 if outcomes[-1].status == "rank":
                     return None  # a training rank other than 0: rank 0 writes the rest
                 if settings.stage in SUMMARISED:
@@ -186,6 +210,10 @@ def run(cfg: Any) -> Optional[str]:
                     path = summary.write(plan, outcomes, seconds)
                     artifacts.write_json_atomic(plan.run_dir / "plan.json", plan.describe())
                     log.info("summary -> %s\n%s", path, summary.table(plan, outcomes, seconds))
+            except Exception as exc:
+                if not reportable(exc):
+                    raise
+                sys.exit(reporter(exc))
             finally:
                 _finish_wandb()
         return str(outcomes[-1].path)
@@ -196,6 +224,145 @@ def run(cfg: Any) -> Optional[str]:
     except Refused as exc:
         sys.stderr.write(str(exc))
         sys.exit(EXIT_REFUSED)
+    finally:
+        failures.set_reporter(None)
+
+
+def _chain(exc: BaseException) -> List[BaseException]:
+    out: List[BaseException] = []
+    e: Optional[BaseException] = exc
+    while e is not None and e not in out and len(out) < 10:
+        out.append(e)
+        e = e.__cause__ or e.__context__
+    return out
+
+
+def reportable(exc: BaseException) -> bool:
+    """A stop `run` reports in one line: `Stopped`, an engine's death anywhere in the
+    chain, or any error of a training rank after another rank failed."""
+    from eagle3x import distributed
+    from eagle3x.engines.base import EngineFailed
+    from eagle3x.failures import Stopped
+
+    return (any(isinstance(e, (Stopped, EngineFailed)) for e in _chain(exc))
+            or distributed.known_failure() is not None)
+
+
+def stop_report(exc: BaseException, stage: Optional[str], plan: Optional[RunPlan],
+                settings: Eagle3xConfig) -> Tuple[str, int]:
+    """(the console line, the exit status) for a stop: "<stage> stopped: <why>; kept:
+    <what>; continue with: python -m eagle3x ..."."""
+    from eagle3x import distributed
+    from eagle3x.engines.base import EngineFailed
+    from eagle3x.failures import Stopped
+
+    chain = _chain(exc)
+    stopped = next((e for e in chain if isinstance(e, Stopped)), None)
+    engine = next((e for e in chain if isinstance(e, EngineFailed)), None)
+    other = distributed.known_failure()
+    extra: List[str] = []
+    if stopped is not None:
+        why, code = stopped.reason, stopped.exit_code
+    elif engine is not None:
+        cause = engine.cause()
+        why = (f"the {engine.engine} engine failed "
+               f"{'while starting' if engine.during == 'start' else 'during ' + engine.during}"
+               f": {cause}")
+        code = 1
+        if "RPC timeout" in cause and engine.rpc_timeout:
+            extra.append(f"engine.rpc_timeout={4 * int(engine.rpc_timeout)}")
+    elif other is not None:
+        why, code = f"rank {other[0]} failed ({other[1]}); every rank stopped", 1
+    else:
+        why, code = f"{type(exc).__name__}: {exc}", 1
+    if stage == "train" and settings.train.resume != "auto":
+        extra.append("train.resume=auto")  # the checkpoint this run wrote, not the one it read
+    kept = (stopped.kept if stopped is not None and stopped.kept else None)
+    if kept is None and plan is not None:
+        kept = kept_by(stage, plan, settings)
+    parts = [f"{stage or 'the run'} stopped: {why}" if not why.startswith("stopped")
+             else f"{stage or 'the run'} {why}"]
+    if kept:
+        parts.append(f"kept: {kept}")
+    command = resume_command(settings, stage, extra)
+    if command:
+        parts.append(f"continue with: {command}")
+    if stage == "serve":
+        parts[-1] = f"restart with: {command}"
+    return "; ".join(parts), code
+
+
+def kept_by(stage: Optional[str], plan: RunPlan, settings: Eagle3xConfig) -> Optional[str]:
+    """What a stopped stage leaves that the next run continues from."""
+    from eagle3x import artifacts
+
+    try:
+        if stage == "extract":
+            m = artifacts.read_manifest(plan.hidden.folder)
+            parts = sorted((plan.hidden.folder / "parts").glob("*/manifest.json"))
+            in_parts = sum(artifacts.read_manifest(x.parent)["samples"] for x in parts)
+            return (f"{m['samples']} samples in {len(m['shards'])} shards"
+                    + (f" (+{in_parts} in worker parts)" if in_parts else "")
+                    + f" in {plan.hidden.folder}")
+        if stage == "regenerate":
+            m = artifacts.read_manifest(plan.regenerated.folder)
+            convs = sum(c["conversations"] for c in m["chunks"])
+            return (f"{convs} conversations regenerated in {len(m['chunks'])} chunks in "
+                    f"{plan.regenerated.folder}")
+        if stage == "train":
+            return _checkpoint_kept(plan)
+        if stage == "eval":
+            draft = plan.run_dir / "draft"
+            return f"the trained draft in {draft}" if draft.exists() else None
+        if stage == "serve":
+            return "nothing to keep (a server holds no state)"
+    except (artifacts.ArtifactError, OSError, KeyError, ValueError):
+        return None
+    return None
+
+
+def _checkpoint_kept(plan: RunPlan) -> str:
+    from eagle3x.plan import last_checkpoint
+
+    last = last_checkpoint(plan.run_dir)
+    if not last.exists():
+        return "no checkpoint yet (training starts again from step 0)"
+    try:
+        import torch
+
+        step = torch.load(last, map_location="cpu", weights_only=True, mmap=True)["global_step"]
+        return f"checkpoint at step {step} ({last})"
+    except Exception:
+        return f"checkpoint {last}"
+
+
+def resume_command(settings: Eagle3xConfig, stage: Optional[str],
+                   extra: Sequence[str] = ()) -> Optional[str]:
+    """`python -m eagle3x <this job's overrides>`: what continues it. A run training in
+    Hydra's job folder gets `hydra.run.dir=<that folder>`, where its checkpoints are;
+    `extra` overrides replace the job's own of the same keys."""
+    import shlex
+
+    from eagle3x import distributed
+
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if not HydraConfig.initialized():
+            return None
+        hc = HydraConfig.get()
+        task = list(hc.overrides.task)
+        hydra = [o for o in hc.overrides.hydra
+                 if not o.lstrip("+~").startswith(distributed._NOT_FOR_RANKS)]
+    except ValueError:
+        return None
+    keys = {e.split("=", 1)[0] for e in extra}
+    args = [o for o in task if o.split("=", 1)[0].lstrip("+~") not in keys] + list(extra)
+    stages = {s.name for s in stages_for(settings.stage, settings)}
+    job = _hydra_job_dir()
+    if not settings.train.output_dir and stages & {"train", "eval", "export"} and job:
+        args.append(f"hydra.run.dir={job}")
+    return " ".join(["python -m eagle3x", *map(shlex.quote, hydra + args)])
 
 
 def _share_job_with_ranks() -> None:
