@@ -136,12 +136,14 @@ def extract_worker(workers: int, worker: Optional[int],
 
 WATCH_INTERVAL = 1.0
 BOARD = ".ranks"
-#: (rank, why) of a rank failure this process learnt of, for the report of its own error
-_known: List[Tuple[int, str]] = []
+#: (rank, why, world size) of a rank failure this process learnt of, for the report of
+#: its own error
+_known: List[Tuple[int, str, int]] = []
 
 
-def known_failure() -> Optional[Tuple[int, str]]:
-    """The other rank whose failure this process saw (its own error followed), or None."""
+def known_failure() -> Optional[Tuple[int, str, int]]:
+    """(rank, why, world size) of the other rank whose failure this process saw (its own
+    error followed), or None."""
     return _known[0] if _known else None
 
 
@@ -189,10 +191,10 @@ class RankWatch:
     def failed(self, why: str) -> None:
         """This rank failed: tell the others (then stop watching them), unless the failure
         is the echo of another rank's (a closed connection after it died)."""
-        other = self.check()
+        other = self.check(wait=2 * self.interval)  # a dead peer's process is reaped soon
         self._stop.set()
         if other is not None:
-            _known.append(other)
+            _known.append((*other, self.world))
             return
         from eagle3x import artifacts
 
@@ -238,7 +240,7 @@ class RankWatch:
                 self._abort(*found)
 
     def _abort(self, rank: int, why: str) -> None:
-        _known.append((rank, why))
+        _known.append((rank, why, self.world))
         from eagle3x.failures import Stopped, report
 
         code = report(Stopped(f"rank {rank} of {self.world} failed ({why}); every rank "

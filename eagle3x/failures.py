@@ -36,12 +36,12 @@ def signal_exit(signum: int) -> int:
 
 
 def exit_code_meaning(code: int) -> str:
-    """'killed by SIGKILL (...)' for -9 (or 137), else 'exit code 3'."""
+    """'killed by SIGKILL, ...' for -9 (or 137), else 'exit code 3'."""
     if code < 0 or code > 128:
         num = -code if code < 0 else code - 128
         why = f"killed by {signal_name(num)}"
         if num == signal.SIGKILL:
-            why += " (the kernel's out-of-memory killer sends it too)"
+            why += ", as the kernel's out-of-memory killer does"
         return why
     return f"exit code {code}"
 

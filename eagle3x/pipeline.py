@@ -272,7 +272,7 @@ def stop_report(exc: BaseException, stage: Optional[str], plan: Optional[RunPlan
         if "RPC timeout" in cause and engine.rpc_timeout:
             extra.append(f"engine.rpc_timeout={4 * int(engine.rpc_timeout)}")
     elif other is not None:
-        why, code = f"rank {other[0]} failed ({other[1]}); every rank stopped", 1
+        why, code = f"rank {other[0]} of {other[2]} failed ({other[1]}); every rank stopped", 1
     else:
         why, code = f"{type(exc).__name__}: {exc}", 1
     if stage == "train" and settings.train.resume != "auto":
@@ -286,9 +286,7 @@ def stop_report(exc: BaseException, stage: Optional[str], plan: Optional[RunPlan
         parts.append(f"kept: {kept}")
     command = resume_command(settings, stage, extra)
     if command:
-        parts.append(f"continue with: {command}")
-    if stage == "serve":
-        parts[-1] = f"restart with: {command}"
+        parts.append(f"{'restart' if stage == 'serve' else 'continue'} with: {command}")
     return "; ".join(parts), code
 
 

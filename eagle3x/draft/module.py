@@ -159,7 +159,8 @@ class DraftModule(L.LightningModule):
         state = checkpoint.get("state_dict", {})
         for name in frozen:
             state.pop(name, None)
-        checkpoint["eagle3x"] = {"global_batch": self._global_batch(), "frozen": frozen}
+        checkpoint["eagle3x"] = {"global_batch": self._global_batch(), "frozen": frozen,
+                                 "threads": torch.get_num_threads()}
 
     def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
         from eagle3x.artifacts import ArtifactError
@@ -175,6 +176,15 @@ class DraftModule(L.LightningModule):
                 f"trainer.accumulate_grad_batches={t.accumulate_grad_batches}). Resuming "
                 f"continues the same sample stream only with the same global batch: set "
                 f"train.batch_size to {saved} / (processes x accumulate_grad_batches).")
+        threads = (checkpoint.get("eagle3x") or {}).get("threads")
+        if threads and threads != torch.get_num_threads():
+            import logging
+
+            logging.getLogger("eagle3x").info(
+                "note: the checkpoint's run computed with %d threads, this one with %d: "
+                "sums split over threads round differently, so the resumed weights match an "
+                "uninterrupted run to float rounding (~1e-7 relative), not bit for bit",
+                threads, torch.get_num_threads())
         # Frozen parameters left out of the checkpoint come back from the verifier, which
         # must still hold what the run started from.
         recorded = (checkpoint.get("eagle3x") or {}).get("frozen") or {}

@@ -178,12 +178,13 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         prompts = [TokensPrompt(prompt_token_ids=list(map(int, x))) for x in batch]
+        # (a dying engine may still answer, without the captures its worker did not write)
         with failing_as("vllm", "extract", self.offset, self.rpc_timeout):
             outs = self.llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0),
                                      use_tqdm=False)
-        return [hidden_from_capture(out.kv_transfer_params["hidden_states_path"], x,
-                                    self.n_aux, self.norm_weight, self.eps)
-                for x, out in zip(batch, outs)]
+            return [hidden_from_capture(out.kv_transfer_params["hidden_states_path"], x,
+                                        self.n_aux, self.norm_weight, self.eps)
+                    for x, out in zip(batch, outs)]
 
     def close(self) -> None:
         from eagle3x.engines.base import shutdown_llm

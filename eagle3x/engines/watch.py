@@ -189,12 +189,12 @@ _CAUSES: Tuple[Tuple[str, str], ...] = (
     (r"(CUDA out of memory[^\n]{0,160}|OutOfMemoryError[^\n]{0,160}|"
      r"[Cc]annot allocate memory[^\n]{0,80}|can't allocate memory[^\n]{0,120}|"
      r"std::bad_alloc|MemoryError)",
-     "out of memory: {0}"),
+     "out of memory ({0})"),
     (r"(CUDA error: [^\n]{0,200}|NCCL error[^\n]{0,200}|cudaError\w*[^\n]{0,120})",
-     "CUDA error: {0}"),
+     "{0}"),
     # vllm/v1/executor/multiproc_executor.py, start_worker_monitor
-    (r"Worker proc (\S+) died unexpectedly \(exit code: (-?\d+)\)",
-     "vLLM's worker process {0} died ({exit})"),
+    (r"Worker proc (\S+) died unexpectedly \(exit code: (-?\d+|None)\)",
+     "vLLM's worker process {0} died{exit}"),
     # vllm/v1/engine/utils.py / core_client.py, the engine core monitor
     (r"Engine core proc(?:ess)? (\S+) died unexpectedly",
      "vLLM's engine process {0} died"),
@@ -216,7 +216,9 @@ def cause(text: str, exc: Optional[BaseException] = None, rpc_timeout: Optional[
                 groups = [g for g in m.groups() if g is not None] or [m.group(0)]
                 extra = {"timeout": rpc_timeout if rpc_timeout is not None else "?"}
                 if "{exit}" in meaning:
-                    extra["exit"] = exit_code_meaning(int(m.group(2)))
+                    code = m.group(2)
+                    extra["exit"] = (f" ({exit_code_meaning(int(code))})" if code != "None"
+                                     else " (its exit status was not known yet)")
                 return meaning.format(*[g.strip() for g in groups], **extra)
     lines = [x.strip() for x in text.splitlines()
              if re.search(r"\b(Error|Exception)\b|ERROR", x) and "Traceback" not in x]
