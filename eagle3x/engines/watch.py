@@ -4,7 +4,8 @@ vLLM's engine processes write their log to the job's log file (``eagle3x.console
 points their descriptors there), so the main process can read what they do without
 bringing their lines back to the console:
 
-``StartWatch`` (a context manager around an engine's construction) reads the lines the
+``StartWatch`` (a context manager around an engine's construction; silent when the
+libraries' output is not redirected, as with ``log.libraries=true``) reads the lines the
 engine adds to the log, names the phase it is in (vLLM 0.32's own messages, listed in
 ``VLLM_PHASES`` with the file that logs each) and shows it with the elapsed time: one
 status line rewritten in place on a terminal; elsewhere, once the start has lasted a few
@@ -81,6 +82,8 @@ class StartWatch:
         #: where the engine's lines begin in the job's log (EngineFailed reads from here)
         self.offset = self._pos = console.log_size()
         self._rest = b""
+        if console.log_file() is None:  # the libraries speak on the console themselves
+            return self
         self._announce(self.phase)
         self._thread = threading.Thread(target=self._run, name="eagle3x-engine-start",
                                         daemon=True)
