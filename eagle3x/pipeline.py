@@ -172,7 +172,7 @@ def run(cfg: Any) -> Optional[str]:
     engine dies (``engines.base.EngineFailed``, also as the cause of another error) ends
     with one console line: what stopped and why (read from the engine's log), what is
     kept, the command that continues; the traceback goes to the job's log file."""
-    from eagle3x import artifacts, console, failures
+    from eagle3x import artifacts, console, distributed, failures
     from eagle3x.artifacts import ArtifactError
     from eagle3x.config.compose import typed
     from eagle3x.data.conversations import DataError
@@ -213,7 +213,14 @@ def run(cfg: Any) -> Optional[str]:
             except Exception as exc:
                 if not reportable(exc):
                     raise
-                sys.exit(reporter(exc))
+                code = reporter(exc)
+                if code >= 128 and distributed.worker_argv() is not None:
+                    # a rank Lightning started, stopped with every rank by a signal: rank 0
+                    # reports it with this status; a non-zero one here would make
+                    # Lightning's child-process observer SIGKILL rank 0
+                    # (lightning/fabric/strategies/launchers/subprocess_script.py)
+                    code = 0
+                sys.exit(code)
             finally:
                 _finish_wandb()
         return str(outcomes[-1].path)
