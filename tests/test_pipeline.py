@@ -69,7 +69,7 @@ LAYERS = [
     ("eagle3x.engines", 2), ("eagle3x.draft", 2), ("eagle3x.data", 2),
     ("eagle3x.config.preflight", 3), ("eagle3x.tracking", 3),
     ("eagle3x.stages", 4),
-    ("eagle3x.pipeline", 5),
+    ("eagle3x.pipeline", 5), ("eagle3x.stopping", 5),
     ("eagle3x.__main__", 6), ("eagle3x.compare", 6), ("eagle3x.inspect", 6),
 ]
 

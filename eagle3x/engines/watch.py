@@ -43,7 +43,7 @@ VLLM_PHASES: Tuple[Tuple[str, str], ...] = (
     (r"Warming up model for the compilation|Dynamo bytecode transform|Compiling a graph for",
      COMPILING),
     # vllm/compilation/backends.py, decorators.py: a compiled model from vLLM's cache
-    (r"Directly load the compiled graph|[Ll]oaded AOT compiled",
+    (r"Directly load (?:the compiled graph|AOT compilation)",
      "loading the compiled model from vLLM's cache"),
     # vllm/v1/worker/gpu_model_runner.py, capture_model
     (r"Capturing CUDA graphs", f"capturing CUDA graphs ({EAGER_HINT})"),

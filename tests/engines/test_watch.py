@@ -27,6 +27,8 @@ VLLM_LINES = [
      "[backbone] Dynamo bytecode transform time: 4.21 s"),
     ("compilation/backends.py", "Directly load the compiled graph(s) for compile",
      "[backbone] Directly load the compiled graph(s) for compile range (1, 8192) from the cache"),
+    ("compilation/decorators.py", "%sDirectly load AOT compilation from path %s",
+     "[backbone] Directly load AOT compilation from path /root/.cache/vllm/torch_compile_cache"),
     ("v1/worker/gpu_model_runner.py", "Capturing CUDA graphs ({}, {})",
      "Capturing CUDA graphs (mixed prefill-decode, PIECEWISE): 100%"),
     ("v1/core/kv_cache_utils.py", "%s KV cache size: %s tokens, ",

@@ -17,13 +17,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, List
 
 import psutil
 import pytest
 import torch
 
-from tests.helpers import Cli
 
 EAGER = ["engine=vllm", "engine.enforce_eager=true"]
 
