@@ -33,7 +33,8 @@ def start(verifier: str, root: Path, cache: Path, eager: bool) -> dict:
     assert r.returncode == 0, r.stderr[-3000:]
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "eagle3x", "stage=extract", *data, "engine=vllm",
-                        f"engine.enforce_eager={str(eager).lower()}"], cwd=root, env=env,
+                        f"engine.enforce_eager={str(eager).lower()}",
+                        "engine.gpu_memory_utilization=0.25"], cwd=root, env=env,
                        capture_output=True, text=True)
     wall = time.perf_counter() - t0
     assert r.returncode == 0, r.stderr[-3000:]

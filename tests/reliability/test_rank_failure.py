@@ -23,7 +23,7 @@ import torch
 
 from tests.helpers import Cli
 
-STEPS = 60
+STEPS = 24
 COMMON = ["stage=train", "engine=hf", "trainer.accelerator=cpu", f"trainer.max_steps={STEPS}",
           "train.ttt_steps=3", "train.warmup_steps=2", "data.num_samples=96", "logger=none"]
 TWO = ["trainer.devices=2", "trainer.strategy=ddp", "train.batch_size=2"]
