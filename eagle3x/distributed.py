@@ -15,15 +15,29 @@ export, summaries and W&B; the others stop after the train stage.
 Ranks started by torchrun or SLURM (one process per GPU, Lightning's cluster
 environments) run the command they were given; pass them the same `hydra.run.dir` or
 `train.output_dir`.
+
+A rank that fails must not leave the others waiting in their next collective until the
+process group times out (30 minutes for gloo, 10 for NCCL). While training, every rank
+runs a `RankWatch`: a rank that fails with an error writes why into the run folder
+(``<run dir>/.ranks/failed-rank<N>.json``); rank 0 also watches the rank processes it
+started (a killed one: its exit status), and those watch rank 0 (their parent). Each
+watch looks every `WATCH_INTERVAL` seconds; on a failure elsewhere it reports it (rank 0:
+the one console line, through `failures.report`) and ends its process. So every rank stops
+within about `WATCH_INTERVAL` of the failure becoming visible (a failing rank's error, or
+its process exiting); a rank that hangs without failing is left to the process group's
+timeout.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
+import threading
+import time
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 JOB_ENV = "EAGLE3X_DDP_JOB"
 DIR_ENV = "EAGLE3X_DDP_DIR"
@@ -118,3 +132,125 @@ def extract_worker(workers: int, worker: Optional[int],
         raise ValueError(f"worker {worker} (from {source}) is not in 0..{workers - 1} "
                          f"(extract.workers={workers})")
     return worker, source
+
+
+WATCH_INTERVAL = 1.0
+BOARD = ".ranks"
+#: (rank, why, world size) of a rank failure this process learnt of, for the report of
+#: its own error
+_known: List[Tuple[int, str, int]] = []
+
+
+def known_failure() -> Optional[Tuple[int, str, int]]:
+    """(rank, why, world size) of the other rank whose failure this process saw (its own
+    error followed), or None."""
+    return _known[0] if _known else None
+
+
+def clear_board(run_dir: Path) -> None:
+    """Rank 0, before training: failures recorded by an earlier run of this folder go."""
+    folder = run_dir / BOARD
+    for f in folder.glob("failed-rank*.json") if folder.exists() else ():
+        f.unlink(missing_ok=True)
+
+
+def _last_error(log_file: Path) -> str:
+    """The last error line of a rank's log (its Hydra job log: rank<N>.log)."""
+    try:
+        with open(log_file, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 65536))
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    lines = [x.strip() for x in text.splitlines() if "Error" in x or "ERROR" in x]
+    return lines[-1][-240:] if lines else ""
+
+
+class RankWatch:
+    """One rank's watch over the others while it trains (see the module's docstring)."""
+
+    def __init__(self, run_dir: Path, rank: int, world: int, children: Sequence[Any] = (),
+                 interval: float = WATCH_INTERVAL):
+        self.board, self.rank, self.world = run_dir / BOARD, rank, world
+        self.run_dir = run_dir
+        self.children = list(children)  # rank 0: the Popen of each rank it started (1..)
+        self.interval = interval
+        self.parent = os.getppid() if worker_argv() is not None else None
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        self.board.mkdir(parents=True, exist_ok=True)
+        self._thread = threading.Thread(target=self._run, name="eagle3x-rank-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def failed(self, why: str) -> None:
+        """This rank failed: tell the others (then stop watching them), unless the failure
+        is the echo of another rank's (a closed connection after it died)."""
+        other = self.check(wait=2 * self.interval)  # a dead peer's process is reaped soon
+        self._stop.set()
+        if other is not None:
+            _known.append((*other, self.world))
+            return
+        from eagle3x import artifacts
+
+        self.board.mkdir(parents=True, exist_ok=True)
+        artifacts.write_json_atomic(self.board / f"failed-rank{self.rank}.json",
+                                    {"rank": self.rank, "why": why[:500], "pid": os.getpid(),
+                                     "time": time.time()})
+
+    def check(self, wait: float = 0.0) -> Optional[Tuple[int, str]]:
+        """(rank, why) of another rank known to have failed, or None; `wait` seconds for
+        one to show (a killed process takes a moment to be reaped)."""
+        deadline = time.monotonic() + wait
+        while True:
+            found = self._look()
+            if found is not None or time.monotonic() >= deadline:
+                return found
+            time.sleep(0.1)
+
+    def _look(self) -> Optional[Tuple[int, str]]:
+        from eagle3x.failures import exit_code_meaning
+
+        if self.board.exists():
+            for f in sorted(self.board.glob("failed-rank*.json")):
+                try:
+                    rec = json.loads(f.read_text())
+                except (OSError, ValueError):
+                    continue
+                if int(rec.get("rank", -1)) != self.rank:
+                    return int(rec["rank"]), str(rec.get("why", "unknown"))
+        for i, proc in enumerate(self.children, start=1):
+            code = proc.poll()
+            if code is not None and code != 0:
+                last = _last_error(self.run_dir / f"rank{i}.log")
+                return i, exit_code_meaning(code) + (f"; its log: {last}" if last else "")
+        if self.parent is not None and os.getppid() != self.parent:
+            return 0, "rank 0's process is gone"
+        return None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            found = self._look()
+            if found is not None and not self._stop.is_set():
+                self._abort(*found)
+
+    def _abort(self, rank: int, why: str) -> None:
+        _known.append((rank, why, self.world))
+        from eagle3x.failures import Stopped, report
+
+        code = report(Stopped(f"rank {rank} of {self.world} failed ({why}); every rank "
+                              "stopped", 1), stage="train") if self.rank == 0 else 1
+        if self.rank != 0:
+            logging.getLogger("eagle3x").error(
+                "rank %d of %d failed (%s); rank %d stops", rank, self.world, why, self.rank)
+        for h in logging.getLogger().handlers:
+            try:
+                h.flush()
+            except Exception:
+                pass
+        os._exit(code)

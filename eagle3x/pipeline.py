@@ -129,14 +129,18 @@ def stages_for(stage: Stage, settings: Optional[Eagle3xConfig] = None) -> List[S
 
 
 def run_stages(plan: RunPlan, settings: Eagle3xConfig, stages: Sequence[StageSpec],
-               seconds: Optional[Dict[str, float]] = None) -> List[Outcome]:
-    """Run `stages` in order for `plan`; each gets the plan and its config sections.
-    Every stage's precheck runs first: problems raise `Refused` before anything starts."""
+               seconds: Optional[Dict[str, float]] = None,
+               started: Optional[List[str]] = None) -> List[Outcome]:
+    """Run `stages` in order for `plan`; each gets the plan and its config sections
+    (`started` gets each stage's name as it starts). Every stage's precheck runs first:
+    problems raise `Refused` before anything starts."""
     problems = [x for spec in stages if spec.precheck for x in spec.precheck(plan, settings)]
     if problems:
         raise Refused(problems)
     outcomes = []
     for spec in stages:
+        if started is not None:
+            started.append(spec.name)
         t0 = time.perf_counter()
         out = spec.run(plan, **{name: getattr(settings, name) for name in spec.sections})
         took = time.perf_counter() - t0
@@ -163,8 +167,13 @@ def start(settings: Eagle3xConfig, run_dir: Optional[Path] = None) -> RunPlan:
 
 
 def run(cfg: Any) -> Optional[str]:
-    """Hydra's job: run cfg.stage; known errors end the process with one line and status 1."""
-    from eagle3x import artifacts, console
+    """Hydra's job: run cfg.stage; known errors end the process with one line and status 1.
+
+    A stage that stops early (``failures.Stopped``: a signal, a failed rank) or whose
+    engine dies (``engines.base.EngineFailed``, also as the cause of another error) ends
+    with one console line: what stopped and why (read from the engine's log), what is
+    kept, the command that continues; the traceback goes to the job's log file."""
+    from eagle3x import artifacts, console, distributed, failures
     from eagle3x.artifacts import ArtifactError
     from eagle3x.config.compose import typed
     from eagle3x.data.conversations import DataError
@@ -172,13 +181,30 @@ def run(cfg: Any) -> Optional[str]:
 
     settings = typed(cfg)
     seconds: Dict[str, float] = {}
+    started: List[str] = []
     loud = settings.log.libraries or _hydra_verbose()
     _share_job_with_ranks()
+    plan: Optional[RunPlan] = None
+
+    from eagle3x.stopping import reportable, stop_report
+
+    def reporter(exc: BaseException, stage: Optional[str] = None) -> int:
+        line, code = stop_report(exc, stage or (started[-1] if started else None), plan,
+                                 settings)
+        log.error("%s", line, exc_info=exc if exc.__traceback__ else None,
+                  extra=console.LOG_ONLY)
+        out = console.stream() if console.log_file() is not None else sys.stderr
+        out.write(f"eagle3x: {line}\n")
+        out.flush()
+        return code
+
+    failures.set_reporter(reporter)
     try:
         with console.quiet(None if loud else console.job_log_file()):
             try:
                 plan = start(settings, _hydra_job_dir())
-                outcomes = run_stages(plan, settings, stages_for(settings.stage, settings), seconds)
+                outcomes = run_stages(plan, settings, stages_for(settings.stage, settings),
+                                      seconds, started)
                 if outcomes[-1].status == "rank":
                     return None  # a training rank other than 0: rank 0 writes the rest
                 if settings.stage in SUMMARISED:
@@ -187,6 +213,17 @@ def run(cfg: Any) -> Optional[str]:
                     path = summary.write(plan, outcomes, seconds)
                     artifacts.write_json_atomic(plan.run_dir / "plan.json", plan.describe())
                     log.info("summary -> %s\n%s", path, summary.table(plan, outcomes, seconds))
+            except Exception as exc:
+                if not reportable(exc):
+                    raise
+                code = reporter(exc)
+                if code >= 128 and distributed.worker_argv() is not None:
+                    # a rank Lightning started, stopped with every rank by a signal: rank 0
+                    # reports it with this status; a non-zero one here would make
+                    # Lightning's child-process observer SIGKILL rank 0
+                    # (lightning/fabric/strategies/launchers/subprocess_script.py)
+                    code = 0
+                sys.exit(code)
             finally:
                 _finish_wandb()
         return str(outcomes[-1].path)
@@ -197,6 +234,8 @@ def run(cfg: Any) -> Optional[str]:
     except Refused as exc:
         sys.stderr.write(str(exc))
         sys.exit(EXIT_REFUSED)
+    finally:
+        failures.set_reporter(None)
 
 
 def _share_job_with_ranks() -> None:

@@ -62,14 +62,14 @@ def test_help_lists_the_stages_of_the_enum():
 LAYERS = [
     ("eagle3x.resources", 0), ("eagle3x.artifacts", 0), ("eagle3x.verifier", 0),
     ("eagle3x.weights", 0), ("eagle3x.tiny", 0), ("eagle3x.serving", 0), ("eagle3x.console", 0),
-    ("eagle3x.distributed", 0), ("eagle3x.families", 0),
+    ("eagle3x.distributed", 0), ("eagle3x.families", 0), ("eagle3x.failures", 0),
     ("eagle3x.config.problems", 0),
     ("eagle3x.config.schema", 0),
     ("eagle3x.plan", 1), ("eagle3x.config.compose", 1), ("eagle3x.config.rules", 1),
     ("eagle3x.engines", 2), ("eagle3x.draft", 2), ("eagle3x.data", 2),
     ("eagle3x.config.preflight", 3), ("eagle3x.tracking", 3),
     ("eagle3x.stages", 4),
-    ("eagle3x.pipeline", 5),
+    ("eagle3x.pipeline", 5), ("eagle3x.stopping", 5),
     ("eagle3x.__main__", 6), ("eagle3x.compare", 6), ("eagle3x.inspect", 6),
 ]
 

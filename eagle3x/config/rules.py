@@ -33,6 +33,9 @@ def check_values(cfg: DictConfig, need_stage: bool = True) -> List[Problem]:
         problems.append(Problem("stage", "no stage given.",
                                 hint="choose one: " + ", ".join(f"stage={s.name}" for s in Stage)))
     job_cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])
+    broken = _unresolvable(job_cfg)
+    if broken is not None:  # an interpolation giving a value its field cannot hold
+        return problems + [broken]
     for key in sorted(OmegaConf.missing_keys(job_cfg)):
         if key != "stage":
             problems.append(Problem(key, "required, and not set.",
@@ -46,6 +49,21 @@ def check_values(cfg: DictConfig, need_stage: bool = True) -> List[Problem]:
             problems.append(Problem(key, rule.why + ".", value=_show(value),
                                     where=_environment_source(cfg, key)))
     return problems
+
+
+def _unresolvable(job_cfg: DictConfig) -> Optional[Problem]:
+    """The first interpolation (``${oc.env:X}``, ``${other.key}``) whose value its typed
+    field refuses, as a Problem naming the key; None when every one resolves."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:  # as `compose.typed` will: the values merged into the schema, then resolved
+        merged = OmegaConf.merge(OmegaConf.structured(Eagle3xConfig), job_cfg)
+        OmegaConf.to_container(merged, resolve=True, throw_on_missing=False)
+    except OmegaConfBaseException as exc:
+        key = str(getattr(exc, "full_key", "") or "") or "config"
+        why = str(exc).splitlines()[0].rstrip(".")
+        return Problem(key, why + ".", where=_environment_source(job_cfg, key))
+    return None
 
 
 def _environment_source(cfg: DictConfig, key: str) -> Optional[str]:

@@ -211,8 +211,14 @@ class EngineConfig:
     gpu_memory_utilization: float = checked(0.85, lambda v: 0 < v <= 1, "must be in (0, 1]")
     max_num_batched_tokens: Optional[int] = at_least(1, None, "must be at least 1")
     dtype: str = "auto"
+    # vLLM compiles the model with torch.compile at start (and captures CUDA graphs on a
+    # GPU): minutes on a big model on a CPU. true skips both (slower steps, faster start).
     enforce_eager: bool = False
     quantization: Optional[str] = None
+    # Seconds vLLM's engine waits for a worker to finish one model step before it declares
+    # the engine dead (vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, 300 by default): a first
+    # large batch on a slow machine (compiling a new shape) can take longer.
+    rpc_timeout: int = at_least(1, 1800)
     # hf engine: torch device ("auto" = cuda when visible, else cpu).
     device: str = "auto"
 
@@ -416,6 +422,14 @@ class TrainConfig:
     seed: int = 0
     # "auto": continue from this run folder's last checkpoint; "none"; or a .ckpt path.
     resume: str = "auto"
+    # Step checkpoints kept (the newest; last.ckpt is kept besides). They hold what
+    # training changes (trained weights, optimizer, loop state); frozen verifier weights
+    # (the embedding) are reloaded from the verifier.
+    keep_checkpoints: int = at_least(0, 3)
+    # Off a terminal (a job log, nohup, SLURM), a progress line at most this often
+    # (step, loss, acc_0, tokens/s, ETA); on a terminal the bar, and these lines go to
+    # the job's log file only.
+    progress_seconds: float = checked(30.0, lambda v: v > 0, "must be positive")
     # Default: the Hydra run folder.
     output_dir: Optional[str] = None
 

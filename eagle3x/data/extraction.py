@@ -4,8 +4,9 @@ The one extraction loop, used by ``stage=extract`` and by the datamodule's
 ``prepare_data()``. Resumable and incremental: the manifest lists whole shards; a rerun
 continues after the last one, and asking for more samples extracts only the missing ones.
 A shard that fails its check (size, or sha256 with ``extract.verify=sha256``) is
-re-extracted in place. SIGINT/SIGTERM write the samples done so far as a last whole shard,
-then stop. The engine is opened only when there is something to extract.
+re-extracted in place. SIGINT/SIGTERM, and an engine that fails, write the samples done so
+far as a last whole shard, then stop (``failures.Stopped`` with status 128 + the signal, or
+the engine's ``EngineFailed``). The engine is opened only when there is something to extract.
 """
 
 from __future__ import annotations
@@ -39,13 +40,17 @@ def header(plan: RunPlan) -> Dict[str, Any]:
 
 
 @contextmanager
-def _stop_requests() -> Iterator[Dict[str, Optional[int]]]:
-    """Turn SIGINT/SIGTERM into a flag the loop checks between batches."""
+def stop_requests(doing: str = "finishing the current batch, then writing a last whole "
+                               "shard") -> Iterator[Dict[str, Optional[int]]]:
+    """Turn SIGINT/SIGTERM into a flag the loop checks between batches (`doing`: what
+    happens before it stops, for the console)."""
     state: Dict[str, Optional[int]] = {"signal": None}
 
     def handler(signum, _frame):
+        from eagle3x.failures import signal_name
+
         state["signal"] = signum
-        log.warning("signal %d: finishing the current batch, then writing a last whole shard", signum)
+        log.warning("%s: %s", signal_name(signum), doing)
 
     old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -178,7 +183,9 @@ class _Engine:
             t0 = time.perf_counter()
             self.engine = self.open()
             self.load_s = time.perf_counter() - t0
-            log.info("engine %s ready in %.1fs", self.name, self.load_s)
+            phases = getattr(self.engine, "started", "")
+            log.info("engine %s ready in %.1fs%s", self.name, self.load_s,
+                     f" ({phases})" if phases else "")
         return self.engine
 
     def close(self) -> None:
@@ -194,9 +201,10 @@ def _bad_shards(folder: Path, m: Dict[str, Any], verify: VerifyMode) -> List[int
 def _fill(folder: Path, m: Dict[str, Any], end: int, bad: List[int], data: Dict[str, Any],
           engine: _Engine, writer: "_Writer", settings: ExtractConfig, desc: str) -> int:
     """Re-extract the shards `bad` of the folder with manifest `m`, then extract its
-    samples up to `end` (absolute index); return the new tokens. SIGINT/SIGTERM: a last
-    whole shard is written, then SystemExit."""
-    from tqdm import tqdm
+    samples up to `end` (absolute index); return the new tokens. SIGINT/SIGTERM, or an
+    engine that fails: the samples done are written as a last whole shard, then
+    `failures.Stopped` (signals) or the engine's error is raised."""
+    from eagle3x.failures import Stopped, signal_exit, signal_name
 
     base = m.get("first_sample", 0)
     for i in bad:
@@ -212,22 +220,30 @@ def _fill(folder: Path, m: Dict[str, Any], end: int, bad: List[int], data: Dict[
     pending = list(_samples(data, base + m["samples"], end))
     eng = engine.get()
     t0, new_tokens = time.perf_counter(), 0
-    bar = tqdm(total=end - base, initial=m["samples"], desc=desc, unit="sample",
-               dynamic_ncols=True, file=console.stream(),
-               mininterval=0.5 if console.is_terminal() else 10)
-    with _stop_requests() as stop:
-        for done in _extracted(eng, pending, settings.batch_size):
-            for sample in done:
-                writer.add(*sample)
-                new_tokens += len(sample[0])
-            bar.update(len(done))
-            bar.set_postfix(tok_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
-            if stop["signal"] is not None:
+    bar = console.progress(end - base, desc, "samples", initial=m["samples"])
+    with stop_requests() as stop:
+        try:
+            for done in _extracted(eng, pending, settings.batch_size):
+                for sample in done:
+                    writer.add(*sample)
+                    new_tokens += len(sample[0])
+                bar.update(len(done))
+                bar.set_postfix(tok_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
+                if stop["signal"] is not None:
+                    writer.flush()
+                    bar.close()
+                    raise Stopped(f"stopped by {signal_name(stop['signal'])} after sample "
+                                  f"{base + m['samples'] - 1}", signal_exit(stop["signal"]))
+        except Stopped:
+            raise
+        except Exception:  # the engine failed: keep what it made before
+            try:
                 writer.flush()
-                bar.close()
-                log.warning("stopped by signal after %d samples; rerun to continue",
-                            base + m["samples"])
-                raise SystemExit(128 + stop["signal"])
+            except Exception:
+                log.warning("could not write the samples held before the failure",
+                            exc_info=True, extra=console.LOG_ONLY)
+            bar.close()
+            raise
         writer.flush()
     bar.close()
     return new_tokens

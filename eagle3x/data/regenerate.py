@@ -6,6 +6,7 @@ updated after each) and, once every chunk is done, ``conversations.jsonl``: one
 ``{"messages": [...], "tools": [...], "source_line": n, "hit_length": bool}`` per kept
 conversation (``tools`` when it has them), in input order. A killed run resumes at the
 first chunk not in the manifest; a finished chunk is never generated again.
+SIGINT/SIGTERM finish the chunk under way, then stop (``failures.Stopped``).
 
 Each conversation keeps its system/user/tool turns and its tools; its assistant text
 replies (all, or the last with ``regenerate.turns=last``) are replaced in order, each
@@ -24,6 +25,7 @@ reply that is empty drops its conversation (nothing to learn).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -137,9 +139,10 @@ def regenerate(plan: RunPlan, settings: RegenerateConfig,
     `open_generator(stop_ids)` loads the engine when there is work (the verifier's stop
     tokens, read here with the tokenizer this function already loads)."""
     from filelock import FileLock
-    from tqdm import tqdm
 
     from eagle3x.data.conversations import iter_conversations, reader
+    from eagle3x.data.extraction import stop_requests
+    from eagle3x.failures import Stopped, signal_exit, signal_name
     from eagle3x.engines.generate import stop_ids
     from eagle3x.verifier import load_tokenizer
 
@@ -148,6 +151,7 @@ def regenerate(plan: RunPlan, settings: RegenerateConfig,
         log.info("reusing regenerated replies at %s (same data, verifier and settings)", out)
         return Outcome("regenerated", "reused", out)
     out.mkdir(parents=True, exist_ok=True)
+    stack = contextlib.ExitStack()
     with FileLock(str(out) + ".lock"):
         try:
             m = artifacts.read_manifest(out)
@@ -166,20 +170,25 @@ def regenerate(plan: RunPlan, settings: RegenerateConfig,
         tok = load_tokenizer(plan.verifier.path, plan.verifier.trust_remote_code)
         context = context_length(plan)
         generator = None
-        bar = tqdm(total=len(convs), initial=min(len(done) * size, len(convs)),
-                   desc="regenerate", unit="conv", file=console.stream(),
-                   mininterval=0.5 if console.is_terminal() else 10)
+        bar = console.progress(len(convs), "regenerate", "conversations",
+                               initial=min(len(done) * size, len(convs)))
         t0, new_tokens = time.perf_counter(), 0
         try:
+            stop = stack.enter_context(stop_requests("finishing the current chunk"))
             for c in range(n_chunks):
                 if c in done:
                     continue
+                if stop["signal"] is not None:
+                    raise Stopped(f"stopped by {signal_name(stop['signal'])} before chunk {c}",
+                                  signal_exit(stop["signal"]))
                 if generator is None:
                     log.info("regenerating %d conversations in %d chunks (%d done) into %s",
                              len(convs), n_chunks, len(done), out)
                     started = time.perf_counter()
                     generator = open_generator(stop_ids(plan.verifier.path, tok))
-                    log.info("engine ready in %.1fs", time.perf_counter() - started)
+                    phases = getattr(generator, "started", "")
+                    log.info("engine ready in %.1fs%s", time.perf_counter() - started,
+                             f" ({phases})" if phases else "")
                     t0 = time.perf_counter()  # tokens/s without the engine start
                 part = convs[c * size:(c + 1) * size]
                 records, counts = regenerate_chunk(generator, tok, part, c * size, settings,
@@ -195,6 +204,7 @@ def regenerate(plan: RunPlan, settings: RegenerateConfig,
             bar.close()
             if generator is not None:
                 generator.close()
+            stack.close()
         return _finish(out, m, len(convs), new_tokens, time.perf_counter() - t0)
 
 

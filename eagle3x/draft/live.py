@@ -119,11 +119,13 @@ def parity(record: Dict[str, torch.Tensor], draft: Any, aux: torch.Tensor,
 
 
 class ServedDraft:
-    """vLLM with `draft` as its EAGLE-3 speculator (greedy), with the draft probe loaded."""
+    """vLLM with `draft` as its EAGLE-3 speculator (greedy), with the draft probe loaded.
+    vLLM's errors come out as `EngineFailed` (the engine's log says why)."""
 
     def __init__(self, verifier: Path, draft: Path, depth: int, settings: Dict[str, Any],
                  max_model_len: int):
-        from vllm import LLM
+        from eagle3x.engines.base import failing_as, set_rpc_timeout
+        from eagle3x.engines.watch import StartWatch
 
         kw = dict(model=str(verifier), dtype=settings.get("dtype", "auto"),
                   tensor_parallel_size=settings.get("tensor_parallel_size", 1),
@@ -136,8 +138,14 @@ class ServedDraft:
                   speculative_config={"method": "eagle3", "model": str(draft),
                                       "num_speculative_tokens": depth})
         self.depth = depth
-        self.llm = LLM(**{k: v for k, v in kw.items() if v is not None})
-        self.llm.collective_rpc("eagle3x_probe_install")
+        self.rpc_timeout = set_rpc_timeout(settings)
+        with StartWatch("vllm") as watch:
+            self.offset = watch.offset
+            with failing_as("vllm", "start", self.offset, self.rpc_timeout):
+                from vllm import LLM
+
+                self.llm = LLM(**{k: v for k, v in kw.items() if v is not None})
+                self.llm.collective_rpc("eagle3x_probe_install")
         model_config = getattr(self.llm.llm_engine, "model_config", None)
         self.dtype = str(getattr(model_config, "dtype", settings.get("dtype"))).replace("torch.", "")
 
@@ -148,9 +156,12 @@ class ServedDraft:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        from eagle3x.engines.base import failing_as
+
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(map(int, p)))
-                                  for p in prompts], params, use_tqdm=False)
+        with failing_as("vllm", "serve", self.offset, self.rpc_timeout):
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(map(int, p)))
+                                      for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
     def counters(self) -> Dict[str, Any]:
@@ -169,9 +180,13 @@ class ServedDraft:
         """Decode `prompt` alone with the probe armed; what the drafter saw and returned."""
         from safetensors.torch import load_file, save_file
 
-        self.llm.collective_rpc("eagle3x_probe_arm", args=(True,))
+        from eagle3x.engines.base import failing_as
+
+        with failing_as("vllm", "serve", self.offset, self.rpc_timeout):
+            self.llm.collective_rpc("eagle3x_probe_arm", args=(True,))
         out = self.generate([prompt], 2)
-        self.llm.collective_rpc("eagle3x_probe_take", args=(str(path),))
+        with failing_as("vllm", "serve", self.offset, self.rpc_timeout):
+            self.llm.collective_rpc("eagle3x_probe_take", args=(str(path),))
         record = load_file(str(path))
         record["prompt"] = torch.tensor(list(map(int, prompt)))
         record["first"] = torch.tensor(out[0][:1])
@@ -181,7 +196,10 @@ class ServedDraft:
     def close(self) -> None:
         from eagle3x.engines.base import shutdown_llm
 
-        shutdown_llm(getattr(self, "llm", None))
+        try:
+            shutdown_llm(getattr(self, "llm", None))
+        except Exception:  # a dead engine: its processes are gone or going
+            pass
         self.llm = None
         gc.collect()
 

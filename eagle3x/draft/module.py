@@ -168,11 +168,35 @@ class DraftModule(L.LightningModule):
     def _ckpt_path(self) -> str:
         return str(getattr(self.trainer, "ckpt_path", None) or "the checkpoint")
 
+    def _frozen(self) -> Dict[str, str]:
+        """Parameters training does not change (the frozen embedding: verifier weights),
+        by name, with a digest of their values (computed once: they do not change)."""
+        if getattr(self, "_frozen_digests", None) is None:
+            import hashlib
+
+            digests = {}
+            for name, p in self.named_parameters():
+                if not p.requires_grad:
+                    data = p.detach().cpu().contiguous().view(torch.uint8).numpy()
+                    digests[name] = hashlib.sha256(data).hexdigest()
+            self._frozen_digests = digests
+        return self._frozen_digests
+
     def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
+        """The checkpoint holds what training changes: frozen parameters (the embedding,
+        a verifier weight: 49152 x 576 floats for a 135M verifier) are left out and
+        reloaded from the verifier (`__init__`); their digest is kept to check that."""
+        frozen = self._frozen()
+        state = checkpoint.get("state_dict", {})
+        for name in frozen:
+            state.pop(name, None)
         checkpoint["eagle3x"] = {"global_batch": self._global_batch(),
-                                 "batch_unit": self._batch_unit()[0]}
+                                 "batch_unit": self._batch_unit()[0], "frozen": frozen,
+                                 "threads": torch.get_num_threads()}
 
     def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
+        from eagle3x.artifacts import ArtifactError
+
         saved_info = checkpoint.get("eagle3x") or {}
         saved = saved_info.get("global_batch")
         unit, key = self._batch_unit()
@@ -180,7 +204,6 @@ class DraftModule(L.LightningModule):
         if saved is not None and self._trainer is not None and (
                 saved != self._global_batch() or saved_unit != unit):
             t = self.trainer
-            from eagle3x.artifacts import ArtifactError
 
             raise ArtifactError(
                 f"{self._ckpt_path()}: the checkpoint was trained with a global batch of "
@@ -191,6 +214,30 @@ class DraftModule(L.LightningModule):
                 + (f"{key} to {saved} / (processes x accumulate_grad_batches)."
                    if saved_unit == unit else
                    f"train.max_tokens as the checkpoint's run did ({saved_unit}-sized batches)."))
+        threads = (checkpoint.get("eagle3x") or {}).get("threads")
+        if threads and threads != torch.get_num_threads():
+            import logging
+
+            logging.getLogger("eagle3x").info(
+                "note: the checkpoint's run computed with %d threads, this one with %d: "
+                "sums split over threads round differently, so the resumed weights match an "
+                "uninterrupted run to float rounding (~1e-7 relative), not bit for bit",
+                threads, torch.get_num_threads())
+        # Frozen parameters left out of the checkpoint come back from the verifier, which
+        # must still hold what the run started from.
+        recorded = (checkpoint.get("eagle3x") or {}).get("frozen") or {}
+        state = checkpoint.setdefault("state_dict", {})
+        mine = dict(self.named_parameters())
+        for name, digest in recorded.items():
+            if name in state or name not in mine:
+                continue
+            if self._frozen().get(name) != digest:
+                raise ArtifactError(
+                    f"{self._ckpt_path()}: {name} is left out of the checkpoint and read "
+                    f"from the verifier ({self.hparams.verifier}), whose weights changed "
+                    "since the checkpoint was written; resume with the verifier it was "
+                    "trained with.")
+            state[name] = mine[name].detach()
 
     def configure_optimizers(self) -> Any:
         t = self.hparams.train

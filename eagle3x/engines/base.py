@@ -8,14 +8,60 @@ verifier's lm_head reads.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
-from typing import Any, Dict, List, Protocol, Sequence, TYPE_CHECKING, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Protocol, Sequence, TYPE_CHECKING, Tuple
 
 import torch
 
 if TYPE_CHECKING:
     from eagle3x.config.schema import EngineConfig
     from eagle3x.plan import VerifierRef
+
+
+class EngineFailed(RuntimeError):
+    """An engine (vLLM or transformers) failed while starting or working.
+
+    `engine` names it ("vllm", "hf"), `during` what it was doing ("start", "extract",
+    "generate", "serve"); `offset` is where its lines begin in the job's log, which
+    `cause()` reads (call it once the engine is shut down: its processes write their
+    traceback as they die)."""
+
+    def __init__(self, engine: str, during: str, offset: int, rpc_timeout: Optional[int] = None):
+        super().__init__(f"engine {engine} failed during {during}")
+        self.engine, self.during, self.offset, self.rpc_timeout = engine, during, offset, rpc_timeout
+
+    def cause(self) -> str:
+        from eagle3x import console
+        from eagle3x.engines.watch import cause
+
+        return cause(console.log_since(self.offset), self.__cause__, self.rpc_timeout)
+
+
+@contextlib.contextmanager
+def failing_as(engine: str, during: str, offset: int,
+               rpc_timeout: Optional[int] = None) -> Iterator[None]:
+    """Any error of the engine in the block becomes `EngineFailed` (the original as its
+    __cause__); KeyboardInterrupt and SystemExit pass."""
+    try:
+        yield
+    except EngineFailed:
+        raise
+    except Exception as exc:
+        raise EngineFailed(engine, during, offset, rpc_timeout) from exc
+
+
+def set_rpc_timeout(settings: Dict[str, Any]) -> Optional[int]:
+    """`engine.rpc_timeout` as vLLM reads it: VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, the
+    seconds its engine process waits for a worker's answer to execute_model /
+    sample_tokens before it declares the engine dead ("RPC call to execute_model timed
+    out"; vllm/v1/executor/multiproc_executor.py, read at each call from vllm/envs.py,
+    default 300). Set before the engine processes start, which inherit it."""
+    timeout = settings.get("rpc_timeout")
+    if timeout:
+        os.environ["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = str(int(timeout))
+    return timeout
 
 
 class HiddenStateEngine(Protocol):
@@ -40,6 +86,7 @@ def vllm_options(settings: "EngineConfig", verifier: "VerifierRef") -> Dict[str,
     import dataclasses
 
     options = {k: v for k, v in dataclasses.asdict(settings).items() if k not in ("name", "device")}
+    # (rpc_timeout is not an argument of vllm.LLM: set_rpc_timeout applies it)
     options["trust_remote_code"] = verifier.trust_remote_code
     options["mla"] = bool(verifier.info.raw.get("kv_lora_rank"))  # multi-head latent attention
     return options

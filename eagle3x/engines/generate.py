@@ -54,14 +54,15 @@ def _cut(tokens: Sequence[int], stops: Set[int], limit: int) -> Reply:
 
 
 class VLLMGenerator:
-    """vLLM's offline engine with prefix caching (turns of one conversation share a prefix)."""
+    """vLLM's offline engine with prefix caching (turns of one conversation share a prefix).
+    Its errors come out as `EngineFailed`; its start is shown phase by phase."""
 
     def __init__(self, verifier: Path, settings: Dict[str, Any], context: int, stops: Set[int]):
-        from vllm import LLM
-
-        from eagle3x.engines.base import mla_attention
+        from eagle3x.engines.base import failing_as, mla_attention, set_rpc_timeout
+        from eagle3x.engines.watch import StartWatch
 
         self.stops = stops
+        self.rpc_timeout = set_rpc_timeout(settings)
         kw = dict(model=str(verifier), tensor_parallel_size=settings["tensor_parallel_size"],
                   dtype=settings["dtype"], enforce_eager=settings["enforce_eager"],
                   quantization=settings["quantization"],
@@ -71,7 +72,13 @@ class VLLMGenerator:
         if settings.get("max_num_batched_tokens"):
             kw["max_num_batched_tokens"] = settings["max_num_batched_tokens"]
         kw.update(mla_attention(settings))
-        self.llm = LLM(**{k: v for k, v in kw.items() if v is not None})
+        with StartWatch("vllm") as watch:
+            self.offset = watch.offset
+            with failing_as("vllm", "start", self.offset, self.rpc_timeout):
+                from vllm import LLM
+
+                self.llm = LLM(**{k: v for k, v in kw.items() if v is not None})
+        self.started = watch.summary()
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling,
                  limits: Sequence[int], seeds: Sequence[int]) -> List[Reply]:
@@ -82,8 +89,11 @@ class VLLMGenerator:
                                  max_tokens=limit, seed=seed,
                                  stop_token_ids=sorted(self.stops))
                   for limit, seed in zip(limits, seeds)]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts],
-                                 params, use_tqdm=False)
+        from eagle3x.engines.base import failing_as
+
+        with failing_as("vllm", "generate", self.offset, self.rpc_timeout):
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(map(int, p)))
+                                      for p in prompts], params, use_tqdm=False)
         replies = []
         for o, limit in zip(outs, limits):
             c = o.outputs[0]
@@ -94,7 +104,10 @@ class VLLMGenerator:
     def close(self) -> None:
         from eagle3x.engines.base import shutdown_llm
 
-        shutdown_llm(getattr(self, "llm", None))
+        try:
+            shutdown_llm(getattr(self, "llm", None))
+        except Exception:  # a dead engine: its processes are gone or going
+            pass
         self.llm = None
 
 
@@ -105,19 +118,29 @@ class HFGenerator:
                  stops: Set[int]):
         from transformers import AutoModelForCausalLM
 
+        from eagle3x.engines.watch import HF_LOADING, StartWatch
         from eagle3x.weights import torch_dtype
 
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         self.stops = stops
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(verifier), dtype=torch_dtype(dtype), use_safetensors=True,
-            trust_remote_code=trust_remote_code).to(self.device).eval()
+        with StartWatch("hf", phases=(), first=HF_LOADING) as watch:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                str(verifier), dtype=torch_dtype(dtype), use_safetensors=True,
+                trust_remote_code=trust_remote_code).to(self.device).eval()
+        self.offset, self.started = watch.offset, ""
 
-    @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling,
                  limits: Sequence[int], seeds: Sequence[int]) -> List[Reply]:
+        from eagle3x.engines.base import failing_as
+
+        with failing_as("hf", "generate", self.offset):
+            return self._generate(prompts, sampling, limits, seeds)
+
+    @torch.inference_mode()
+    def _generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling,
+                  limits: Sequence[int], seeds: Sequence[int]) -> List[Reply]:
         replies = []
         for prompt, limit, seed in zip(prompts, limits, seeds):
             ids = torch.tensor([list(map(int, prompt))], device=self.device)

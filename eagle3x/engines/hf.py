@@ -11,17 +11,30 @@ from eagle3x.weights import torch_dtype
 
 
 class HFEngine:
+    """Errors while extracting (out of memory, a CUDA error) come out as `EngineFailed`;
+    a verifier that does not load stays a `VerifierLoadError`."""
+
     def __init__(self, verifier: Path, aux_ids: Sequence[int], dtype: str = "auto",
                  device: str = "auto", trust_remote_code: bool = False):
+        from eagle3x.engines.watch import HF_LOADING, StartWatch
+
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         self.aux_ids = list(aux_ids)
-        self.model = load_base_model(Path(verifier), torch_dtype(dtype),
-                                     trust_remote_code).to(self.device).eval()
+        with StartWatch("hf", phases=(), first=HF_LOADING) as watch:
+            self.model = load_base_model(Path(verifier), torch_dtype(dtype),
+                                         trust_remote_code).to(self.device).eval()
+        self.offset, self.started = watch.offset, ""
+
+    def extract(self, batch: Sequence[Sequence[int]]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        from eagle3x.engines.base import failing_as
+
+        with failing_as("hf", "extract", self.offset):
+            return self._extract(batch)
 
     @torch.inference_mode()
-    def extract(self, batch: Sequence[Sequence[int]]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    def _extract(self, batch: Sequence[Sequence[int]]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         lengths = [len(x) for x in batch]
         width = max(lengths)
         ids = torch.zeros(len(batch), width, dtype=torch.long)

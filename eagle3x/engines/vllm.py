@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from eagle3x.engines.base import mla_attention
+from eagle3x.engines.base import failing_as, mla_attention, set_rpc_timeout
 from eagle3x.weights import FINAL_NORM_NAMES, find_tensor, rms_norm
 
 CONNECTOR = "Eagle3xHiddenStatesConnector"
@@ -147,34 +147,53 @@ def hidden_from_capture(path: str, ids: Sequence[int], n_aux: int, norm_weight: 
 
 
 class VLLMEngine:
+    """Errors of vLLM, starting or extracting, come out as `EngineFailed` (the engine's
+    log says why); its start is shown phase by phase (`engines.watch.StartWatch`)."""
+
     def __init__(self, verifier: Path, aux_ids: Sequence[int], num_layers: int, rms_eps: float,
                  max_seq_len: int, settings: Dict[str, Any], scratch_parent: Path):
-        from vllm import LLM
+        from eagle3x.engines.watch import StartWatch
 
         scratch_parent.mkdir(parents=True, exist_ok=True)
         self.scratch = tempfile.mkdtemp(prefix=".vllm-scratch-", dir=scratch_parent)
         self.norm_weight = find_tensor(verifier, FINAL_NORM_NAMES)
         self.eps = rms_eps
         self.n_aux = len(aux_ids)
-        self.llm = LLM(**engine_kwargs(verifier, aux_ids, num_layers, max_seq_len,
-                                       self.scratch, settings))
+        self.rpc_timeout = set_rpc_timeout(settings)
+        try:
+            with StartWatch("vllm") as watch:
+                self.offset = watch.offset  # where this engine's lines begin in the job log
+                with failing_as("vllm", "start", self.offset, self.rpc_timeout):
+                    from vllm import LLM
+
+                    self.llm = LLM(**engine_kwargs(verifier, aux_ids, num_layers, max_seq_len,
+                                                   self.scratch, settings))
+        except BaseException:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            raise
+        self.started = watch.summary()
 
     def extract(self, batch: Sequence[Sequence[int]]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         prompts = [TokensPrompt(prompt_token_ids=list(map(int, x))) for x in batch]
-        outs = self.llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0),
-                                 use_tqdm=False)
-        return [hidden_from_capture(out.kv_transfer_params["hidden_states_path"], x,
-                                    self.n_aux, self.norm_weight, self.eps)
-                for x, out in zip(batch, outs)]
+        # (a dying engine may still answer, without the captures its worker did not write)
+        with failing_as("vllm", "extract", self.offset, self.rpc_timeout):
+            outs = self.llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0),
+                                     use_tqdm=False)
+            return [hidden_from_capture(out.kv_transfer_params["hidden_states_path"], x,
+                                        self.n_aux, self.norm_weight, self.eps)
+                    for x, out in zip(batch, outs)]
 
     def close(self) -> None:
         from eagle3x.engines.base import shutdown_llm
 
         llm = getattr(self, "llm", None)
         if llm is not None:
-            shutdown_llm(llm)
+            try:
+                shutdown_llm(llm)
+            except Exception:  # a dead engine: its processes are gone or going
+                pass
             del self.llm
         shutil.rmtree(self.scratch, ignore_errors=True)

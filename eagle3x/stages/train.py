@@ -1,10 +1,15 @@
 """Stage `train`: a Lightning Trainer fits the EAGLE-3 draft, then exports it.
 
 The pipeline runs prepare, extract and vocab first (each reuses a finished artifact), so
-`stage=train` works on a fresh config. Checkpoints go to <run dir>/checkpoints
-(`last.ckpt` always); `train.resume` (read by ``plan.Resume``) continues from the run
-folder's last checkpoint or a given one, loaded with weights_only=True. The export lands
-in <run dir>/draft.
+`stage=train` works on a fresh config. Checkpoints go to <run dir>/checkpoints: one every
+max_steps/10 steps, the newest `train.keep_checkpoints` of them kept, and `last.ckpt`
+always; they leave the frozen verifier weights out (``DraftModule.on_save_checkpoint``).
+`train.resume` (read by ``plan.Resume``) continues from the run folder's last checkpoint
+or a given one, loaded with weights_only=True. The export lands in <run dir>/draft.
+
+Off a terminal a progress line replaces the bar; SIGTERM/SIGINT end training at the end of
+the step under way with a checkpoint (``failures.Stopped``); on several processes a rank
+that fails stops the others (``eagle3x.draft.callbacks``, ``distributed.RankWatch``).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from os import environ
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -107,9 +113,15 @@ def throughput_callback(skip: int = 5) -> Any:
     return Throughput()
 
 
-def make_trainer(t: TrainerConfig, out: Path, logger: Any) -> Any:
+def make_trainer(t: TrainerConfig, out: Path, logger: Any, keep: int = 3,
+                 progress_seconds: float = 30.0, extra: Optional[list] = None) -> Any:
+    """The Lightning Trainer for `trainer.*`: step checkpoints (the newest `keep` of them,
+    and last.ckpt), the rich bar on a terminal, progress lines every `progress_seconds`
+    (on the console off a terminal, in the job's log file always), `extra` callbacks."""
     import lightning as L
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
+
+    from eagle3x.draft.callbacks import ProgressLines
 
     class StepsBar(RichProgressBar):
         """Lightning's rich bar, described by the run's bound: "train 150 steps" for a
@@ -121,15 +133,20 @@ def make_trainer(t: TrainerConfig, out: Path, logger: Any) -> Any:
             return super()._get_train_description(current_epoch)
 
     every = max(1, t.max_steps // 10) if t.max_steps > 0 else 500
+    # The newest `keep` step checkpoints: "step" (the global step) is always among
+    # ModelCheckpoint's monitor candidates.
     callbacks = [ModelCheckpoint(dirpath=str(out / "checkpoints"), filename="step{step:06d}",
-                                 auto_insert_metric_name=False,
-                                 every_n_train_steps=every, save_last=True, save_top_k=-1)]
+                                 auto_insert_metric_name=False, monitor="step", mode="max",
+                                 every_n_train_steps=every, save_last=True, save_top_k=keep)]
     callbacks.append(throughput_callback(skip=min(5, max(t.max_steps // 4, 0))
                                          if t.max_steps > 0 else 5))
     if logger:
         callbacks.append(LearningRateMonitor(logging_interval="step"))
-    if t.enable_progress_bar and console.is_terminal():
+    bar = t.enable_progress_bar and console.is_terminal()
+    if bar:
         callbacks.append(StepsBar(console_kwargs={"file": console.stream()}))
+    callbacks.append(ProgressLines(progress_seconds, to_console=not bar))
+    callbacks += extra or []
     val_every = t.val_check_interval or max(1, t.max_steps // 4 if t.max_steps > 0 else 1000)
     devices: Any = t.devices if not str(t.devices).isdigit() else int(t.devices)
     return L.Trainer(
@@ -141,7 +158,8 @@ def make_trainer(t: TrainerConfig, out: Path, logger: Any) -> Any:
         val_check_interval=int(val_every) * t.accumulate_grad_batches,
         check_val_every_n_epoch=None, logger=logger, callbacks=callbacks,
         default_root_dir=str(out), use_distributed_sampler=False,
-        enable_progress_bar=t.enable_progress_bar, num_sanity_val_steps=0,
+        # off a terminal Lightning's own bar would write into the job log ("Epoch 0/-2")
+        enable_progress_bar=bar, num_sanity_val_steps=0,
         enable_model_summary=False)
 
 
@@ -157,6 +175,24 @@ def precheck(trainer: TrainerConfig) -> Optional[str]:
     except Exception as exc:  # Lightning's MisconfigurationException, ValueError, ...
         return f"Lightning refuses them: {exc}"
     return None
+
+
+def pin_threads() -> int:
+    """Fix this process's intra-op thread count at what torch chose, for the whole run.
+
+    torch.set_num_threads also turns MKL's dynamic threading off (ATen's
+    ParallelOpenMP.cpp: mkl_set_dynamic(false)); left on (MKL's default, until something
+    calls set_num_threads), MKL may run a matrix product on fewer threads than asked, and
+    Intel lists that as what breaks run-to-run reproducibility. The count itself is part
+    of the arithmetic: a reduction split over 2 threads rounds differently from 1
+    (measured: a resume on 1 thread of a 2-thread run ends 3.3e-7 relative from the
+    uninterrupted run, bit-equal on 2), so checkpoints record it
+    (``DraftModule.on_save_checkpoint``) and a resume on another count says so."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(n)
+    return n
 
 
 def samples_made(features: Any, world: int) -> list:
@@ -180,31 +216,45 @@ def run(plan: RunPlan, train: TrainConfig, trainer: TrainerConfig, logger: Logge
     import lightning as L
 
     from eagle3x.data.datamodule import HiddenStateDataModule
+    from eagle3x.draft.callbacks import Preemption, RankFailures
     from eagle3x.draft.save import save
     from eagle3x.tracking.loggers import make_logger
 
     out = plan.run_dir
     out.mkdir(parents=True, exist_ok=True)
+    if distributed.worker_argv() is None and environ.get("RANK", "0") in ("", "0"):
+        distributed.clear_board(out)
+    # SIGTERM from here on checkpoints and stops (before fit: stops before the first step)
+    preemption = Preemption(out / "checkpoints" / "last.ckpt")
+    preemption.install()
+    ranks = RankFailures(out)
+    pin_threads()
     L.seed_everything(train.seed, workers=True, verbose=False)
     module = build_module(plan, train, trainer.max_steps, draft.options())
     online = hidden.source is not HiddenSource.offline
     dm = HiddenStateDataModule.from_plan(plan, train, extract, engine if online else None,
                                          hidden if online else None)
     exp_logger = make_logger(logger, out, plan.config)
-    fitter = make_trainer(trainer, out, exp_logger)
+    fitter = make_trainer(trainer, out, exp_logger, keep=train.keep_checkpoints,
+                          progress_seconds=train.progress_seconds,
+                          extra=[preemption, ranks])
     ckpt = plan.resume.training_checkpoint(out)
     if ckpt is not None and plan.resume.mode == "auto":
         log.info("resuming from %s", ckpt)
     t0 = time.perf_counter()
     made = None
-    with distributed.fit_scope():  # (the process group lives until its end)
-        try:
-            fitter.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None,
-                       weights_only=True)
-        finally:
-            dm.close()
-        if dm.features is not None and not fitter.interrupted:
-            made = samples_made(dm.features, fitter.world_size)
+    try:
+        with distributed.fit_scope():  # (the process group lives until its end)
+            try:
+                fitter.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None,
+                           weights_only=True)
+            finally:
+                dm.close()
+            if dm.features is not None and not fitter.interrupted:
+                made = samples_made(dm.features, fitter.world_size)
+    finally:
+        ranks.stop()
+        preemption.restore()
     wall = time.perf_counter() - t0
     if fitter.interrupted:
         raise SystemExit(130)

@@ -126,3 +126,17 @@ def test_wandb_online_without_an_api_key(cli, tmp_path, monkeypatch):
 def test_an_empty_wandb_mode_is_traced_to_the_environment(cli):
     refused(cli("stage=train", env={"WANDB_MODE": ""}),
             "logger.mode=   (from environment variable WANDB_MODE='')")
+
+
+@pytest.mark.parametrize("override,key", [("extract.batch_size=${oc.env:EAGLE3X_TEST_X}", "extract.batch_size"),
+                                          ("stage=${oc.env:EAGLE3X_TEST_X}", "stage")])
+def test_an_interpolation_its_field_cannot_hold_is_a_problem_naming_the_key(override, key,
+                                                                            monkeypatch):
+    """Found by the override fuzzer: an environment variable whose text an int or enum field
+    refuses crashed the validator instead of being reported."""
+    from eagle3x.__main__ import validate
+
+    monkeypatch.setenv("EAGLE3X_TEST_X", "not-a-number")
+    problems = validate([override] if key == "stage" else ["stage=train", override])
+    assert [p.key for p in problems] == [key]
+    assert "EAGLE3X_TEST_X" in problems[0].render() and "not-a-number" in problems[0].render()

@@ -141,7 +141,8 @@ def test_online_training_resumed_continues_with_the_same_batches(cli, store, tmp
     from safetensors.torch import load_file
 
     common = ["stage=train", "hidden=online", "engine=hf", "experiment=tiny", "logger=none",
-              "data.num_samples=24", "extract.dtype=float32", "trainer.max_steps=12"]
+              "data.num_samples=24", "extract.dtype=float32", "trainer.max_steps=12",
+              "train.keep_checkpoints=12"]  # (every step checkpointed; step 6 kept)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert cli(*common, f"train.output_dir={straight}").returncode == 0
     ckpt = straight / "checkpoints" / "step000006.ckpt"

@@ -341,9 +341,26 @@ def test_a_request_the_server_refuses_stops_the_run_and_keeps_the_server(server)
 
 
 @pytest.mark.vllm
-def test_stopping_the_server_removes_its_card(server):
+def test_a_server_whose_engine_dies_ends_the_stage_with_one_line_and_no_card(server):
+    """The last test of the module (it ends the module's server): its vLLM worker killed,
+    as the kernel's out-of-memory killer would. vLLM's server shuts down on its engine's
+    death (vllm/entrypoints/launchers/launcher.py, watchdog_loop); stage=serve says why,
+    read from vLLM's log, with the command that restarts it, removes its card and exits 1."""
+    import psutil
+
     url, shared, proc = server
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=120)
+    kids = psutil.Process(proc.pid).children(recursive=True)
+    workers = [k for k in kids if "VLLM::Worker" in " ".join(k.cmdline())]
+    assert workers, [k.cmdline() for k in kids]
+    workers[0].kill()
+    assert proc.wait(timeout=120) == 1
+    shown = (shared.parent / "serve.log").read_text()
+    lines = [x for x in shown.splitlines() if x.startswith("eagle3x: ")]
+    assert len(lines) == 1 and "Traceback" not in shown, shown[-3000:]
+    assert lines[0].startswith("eagle3x: serve stopped: the vllm engine failed during serve: "
+                               "vLLM's worker process VllmWorker-0 died"), lines[0]
+    assert lines[0].endswith(f"restart with: python -m eagle3x stage=serve engine=vllm "
+                             f"engine.dtype=float32 engine.enforce_eager=true "
+                             f"serve.port={url.rsplit(':', 1)[1]} hidden.shared_dir={shared}"), lines[0]
     assert not list(shared.glob("eagle3x-*.json"))
-    assert Path(shared).is_dir()
+    assert not any(k.is_running() for k in kids)

@@ -154,7 +154,7 @@ def test_a_run_killed_on_one_world_size_resumes_on_another_with_the_same_batches
 
 def test_resuming_with_another_global_batch_is_refused_with_the_numbers(runs, one, tmp_path):
     r = runs.run(*COMMON, "trainer.devices=1", "train.batch_size=2", "logger=none",
-                 f"train.resume={one / 'checkpoints' / 'step000006.ckpt'}",
+                 f"train.resume={one / 'checkpoints' / 'last.ckpt'}",
                  f"train.output_dir={tmp_path / 'other'}")
     assert r.returncode == 1
     assert "global batch of 4" in r.stderr and "this run's is 2" in r.stderr

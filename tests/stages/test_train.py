@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -40,9 +44,19 @@ def full_run(tmp_path_factory, tiny_verifier, cache_dir) -> TrainedRun:
 
 @pytest.fixture(scope="module")
 def fast_run(tmp_path_factory, tiny_verifier, cache_dir) -> TrainedRun:
-    """`stage=train` for 40 steps, checkpoints every 4."""
+    """`stage=train` for 40 steps, checkpoints every 4 (all ten kept)."""
     return TrainedRun(tmp_path_factory.mktemp("fast"), cache_dir, "stage=train", "engine=hf",
-                      "logger=none", *FAST)
+                      "logger=none", "train.keep_checkpoints=10", *FAST)
+
+
+#: A 40-step run as the kill and preemption tests run it (checkpoints every 4 steps).
+FORTY = ["stage=train", "engine=hf", "logger=csv", "trainer.max_steps=40", "train.ttt_steps=3"]
+
+
+@pytest.fixture(scope="module")
+def forty(tmp_path_factory, tiny_verifier, cache_dir) -> TrainedRun:
+    """FORTY trained without interruption: what a killed or preempted run must end with."""
+    return TrainedRun(tmp_path_factory.mktemp("forty"), cache_dir, *FORTY)
 
 
 def untrained_report(overrides: list) -> dict:
@@ -151,29 +165,84 @@ def _assert_same_training(a: Path, b: Path) -> None:
             assert torch.equal(sa[k], sb[k]), k
 
 
-def test_killed_training_resumes_at_the_same_step_with_the_same_data(cli, store, tmp_path):
-    common = ["stage=train", "engine=hf", "logger=csv", "trainer.max_steps=40", "train.ttt_steps=3"]
-    assert cli("stage=prepare").returncode == 0
-    whole = tmp_path / "whole"
-    assert cli(*common, f"train.output_dir={whole}").returncode == 0
-    killed = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "eagle3x", *common, f"train.output_dir={killed}"],
-                            cwd=cli.cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    target = killed / "checkpoints" / "step000016.ckpt"
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None and not target.exists():
+def _start(run: TrainedRun, out: Path, *extra: str, log: Optional[Path] = None) -> subprocess.Popen:
+    sink = open(log, "w") if log else subprocess.DEVNULL
+    return subprocess.Popen([sys.executable, "-m", "eagle3x", *FORTY, f"train.output_dir={out}",
+                             *extra], cwd=run.root, env=dict(os.environ, **run.env),
+                            stdout=sink, stderr=subprocess.STDOUT)
+
+
+def _wait_for(proc: subprocess.Popen, path: Path, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None and not path.exists():
         time.sleep(0.05)
-    assert proc.poll() is None, "training ended before it could be killed"
+    assert proc.poll() is None, "training ended before it could be stopped"
+
+
+def test_killed_training_resumes_at_the_same_step_with_the_same_data(forty):
+    assert forty.result.returncode == 0, forty.result.stderr[-3000:]
+    killed = forty.root / "killed"
+    proc = _start(forty, killed)
+    _wait_for(proc, killed / "checkpoints" / "step000016.ckpt")
     time.sleep(0.5)
     proc.send_signal(signal.SIGKILL)
     proc.wait(30)
     assert not (killed / "draft").exists()
     state = torch.load(killed / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert 16 <= state["global_step"] < 40
-    r = cli(*common, f"train.output_dir={killed}")
+    r = forty.cli(*FORTY, f"train.output_dir={killed}")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming from" in r.stdout + r.stderr
-    _assert_same_training(whole, killed)
+    _assert_same_training(forty.run, killed)
+
+
+#: The bound this test holds SIGTERM to: the step under way, the checkpoint's write and the
+#: process's exit, on a busy 2-core machine (a step of this run takes ~0.1-0.5 s here).
+GRACE_SECONDS = 30
+
+
+def test_sigterm_checkpoints_the_step_under_way_and_the_printed_command_resumes_it(forty):
+    """What a scheduler's preemption does (SLURM sends SIGTERM first): a checkpoint of the
+    step under way, one console line, a non-zero status; the command the line prints
+    resumes at that step with the same batches. Only the newest step checkpoints stay
+    (train.keep_checkpoints=3), without the frozen embedding."""
+    assert forty.result.returncode == 0, forty.result.stderr[-3000:]
+    out, console = forty.root / "preempted", forty.root / "preempted.txt"
+    proc = _start(forty, out, log=console)
+    _wait_for(proc, out / "checkpoints" / "step000008.ckpt")
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(GRACE_SECONDS + 30)
+    took = time.time() - t0
+    shown = console.read_text()
+    assert proc.returncode == 128 + signal.SIGTERM, shown[-3000:]
+    assert took < GRACE_SECONDS, took
+    assert "Traceback" not in shown
+    lines = [x for x in shown.splitlines() if x.startswith("eagle3x: ")]
+    assert len(lines) == 1, shown[-3000:]
+    state = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    step = state["global_step"]
+    assert 8 <= step < 40
+    assert lines[0].startswith(f"eagle3x: train stopped by SIGTERM after step {step}; kept: "
+                               f"checkpoint at step {step} ({out / 'checkpoints' / 'last.ckpt'})"
+                               "; continue with: python -m eagle3x "), lines[0]
+    assert not (out / "draft").exists() and not (out / "train_summary.json").exists()
+    command = lines[0].split("continue with: ", 1)[1]
+    argv = shlex.split(command)
+    assert argv[:3] == ["python", "-m", "eagle3x"]
+    r = subprocess.run([sys.executable, *argv[1:]], cwd=forty.root, env=dict(os.environ, **forty.env),
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resuming from {out / 'checkpoints' / 'last.ckpt'}" in r.stdout + r.stderr
+    _assert_same_training(forty.run, out)
+    # every 4 steps a step checkpoint; the newest three and last.ckpt stay
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["last.ckpt", "step000032.ckpt", "step000036.ckpt", "step000040.ckpt"], names
+    final = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert "draft.embed_tokens.weight" not in final["state_dict"]
+    assert list(final["eagle3x"]["frozen"]) == ["draft.embed_tokens.weight"]
+    whole = sorted(p.name for p in (forty.run / "checkpoints").iterdir())
+    assert whole == names  # the uninterrupted run keeps the same files
 
 
 def test_resume_from_an_explicit_checkpoint_path(fast_run, tmp_path):
@@ -195,7 +264,7 @@ def test_token_sized_batches_train_resume_exactly_and_report_the_loops_speed(cli
     common = ["stage=train", "engine=hf", "logger=none", "trainer.max_steps=12",
               "train.ttt_steps=3", "train.max_tokens=600", "extract.max_seq_len=512"]
     whole = tmp_path / "whole"
-    r = cli(*common, f"train.output_dir={whole}")
+    r = cli(*common, f"train.output_dir={whole}", "train.keep_checkpoints=10")
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((whole / "train_summary.json").read_text())
     speed = summary["throughput"]
@@ -227,16 +296,65 @@ def test_vllm_serves_the_export_as_an_eagle3_draft_with_identical_greedy_output(
     assert report["mean_accepted_length"] > 1.5
 
 
+LIVE = ["stage=eval", "engine=hf", "eval.live=true", "logger=none",
+        "engine.dtype=float32"]  # vLLM's "auto" on CPU serves in bfloat16
+
+
 @pytest.fixture(scope="module")
-def live_eval(fast_run):
-    """`stage=eval eval.live=true` on the fast run (aux layers [0, 3, 5]): one vLLM engine."""
+def killed_live_eval(fast_run):
+    """`stage=eval eval.live=true` whose vLLM worker is killed once the engine serving the
+    draft is up: (its console line, the console, the job log)."""
     pytest.importorskip("vllm")
+    import psutil
+
     assert fast_run.result.returncode == 0, fast_run.result.stderr[-3000:]
-    r = fast_run.cli("stage=eval", "engine=hf", "eval.live=true", "logger=none",
-                     "engine.dtype=float32",  # vLLM's "auto" on CPU serves in bfloat16
-                     f"train.output_dir={fast_run.run}", *FAST)
+    job, console = fast_run.root / "killed-live", fast_run.root / "killed-live.txt"
+    proc = subprocess.Popen([sys.executable, "-m", "eagle3x", *LIVE,
+                             f"train.output_dir={fast_run.run}", *FAST, f"hydra.run.dir={job}"],
+                            cwd=fast_run.root, env=dict(os.environ, **fast_run.env),
+                            stdout=open(console, "w"), stderr=subprocess.STDOUT)
+    deadline = time.time() + 900
+    while time.time() < deadline and proc.poll() is None:
+        log = job / "eagle3x.log"
+        if log.exists() and "init engine (profile, create kv cache" in log.read_text():
+            break
+        time.sleep(0.2)
+    kids = psutil.Process(proc.pid).children(recursive=True)
+    workers = [k for k in kids if "VLLM::Worker" in " ".join(k.cmdline())]
+    assert workers, console.read_text()[-3000:]
+    workers[0].kill()
+    assert proc.wait(300) == 1, console.read_text()[-3000:]
+    shown = console.read_text()
+    lines = [x for x in shown.splitlines() if x.startswith("eagle3x: ")]
+    assert len(lines) == 1 and "Traceback" not in shown, shown[-3000:]
+    return lines[0], shown, (job / "eagle3x.log").read_text()
+
+
+@pytest.fixture(scope="module")
+def live_eval(fast_run, killed_live_eval):
+    """`stage=eval eval.live=true` on the fast run (aux layers [0, 3, 5]): one vLLM engine,
+    started by the command the killed attempt printed."""
+    argv = shlex.split(killed_live_eval[0].split("continue with: ", 1)[1])
+    assert argv[:3] == ["python", "-m", "eagle3x"]
+    r = fast_run.cli(*argv[3:])
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads((fast_run.run / "eval.json").read_text())
+
+
+@pytest.mark.vllm
+def test_a_killed_engine_during_live_eval_says_why_and_keeps_the_draft(killed_live_eval,
+                                                                      fast_run, live_eval):
+    """eval.live's vLLM engine (the draft served beside the verifier) dies: one line with
+    the cause from vLLM's log, the draft kept, the command; it ran to the end
+    (`live_eval`)."""
+    line, shown, logged = killed_live_eval
+    assert line.startswith("eagle3x: eval stopped: the vllm engine failed "), line
+    assert "vLLM's worker process VllmWorker-0 died" in line, line
+    assert f"; kept: the trained draft in {fast_run.run / 'draft'}; continue with: " in line
+    assert line.endswith("python -m eagle3x " + shlex.join(
+        [*LIVE, f"train.output_dir={fast_run.run}", *FAST])), line
+    assert "Traceback" in logged and "eval stopped: the vllm engine failed" in logged  # the log's
+    assert live_eval["live"]["prompts"] == 32
 
 
 @pytest.mark.vllm
@@ -313,10 +431,28 @@ def test_the_console_shows_the_run_and_the_log_file_the_libraries(full_run):
         assert f"  {stage}  " in table and status in table, table
     logs = list(full_run.root.glob("outputs/*/*/eagle3x.log"))
     assert len(logs) == 1 and "GPU available" in logs[0].read_text()
-    # one screen, apart from progress bars (a bar's refreshes are lines of their own here)
+    # one screen, apart from progress (a bar's refreshes are lines of their own here; off a
+    # terminal a progress line every 30 s, as many as the machine's speed makes)
     bars = ("extract:", "prepare:", "regenerate:", "train ")
-    lines = [x for x in shown.splitlines() if x.strip() and not x.lstrip().startswith(bars)]
+    progress = re.compile(r"\] - (train step \d|extract: \d|regenerate: \d|engine \w+: still )")
+    lines = [x for x in shown.splitlines() if x.strip() and not x.lstrip().startswith(bars)
+             and not progress.search(x)]
     assert len(lines) < 30, shown
+
+
+def test_off_a_terminal_training_prints_progress_lines_to_the_console_and_the_log(fast_run):
+    """A captured console is not a terminal (as a job log, nohup or SLURM): a progress line
+    replaces the bar, on the console and in eagle3x.log; Lightning's own bar stays out."""
+    r = fast_run.result
+    assert r.returncode == 0, r.stderr[-3000:]
+    shown = r.stdout + r.stderr
+    line = re.compile(r"train step 40/40 \(100%\): loss \d+\.\d{3}, acc_0 [01]\.\d{3}, "
+                      r"\d+ tok/s, [\d.ms]+ elapsed")
+    assert line.search(shown), shown[-2000:]
+    # the fixture's run's log: other tests of this module add runs under the same root
+    logs = sorted(fast_run.root.glob("outputs/*/*/eagle3x.log"), key=lambda p: p.stat().st_mtime)
+    logged = logs[0].read_text()
+    assert line.search(logged) and "Epoch 0/" not in logged
 
 
 def test_trainer_settings_lightning_refuses_stop_the_run_before_prepare_and_extract(cli, store):
