@@ -87,7 +87,7 @@ STAGES: Tuple[StageSpec, ...] = (
                       preflight.engine_memory, preflight.vllm_family),
               # hidden=online|server: training gets the hidden states; extract runs only by name
               unless=lambda s: s.hidden.source is not HiddenSource.offline),
-    StageSpec("vocab", vocab.run, checks=(preflight.vocab_inputs,)),
+    StageSpec("vocab", vocab.run, checks=(preflight.vocab_inputs, preflight.vocab_seen)),
     StageSpec("train", train.run, sections=("train", "trainer", "logger", "extract", "engine",
                                             "hidden"),
               before=("regenerate", "prepare", "extract", "vocab"), precheck=lambda p, s: [

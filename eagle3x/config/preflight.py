@@ -17,8 +17,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 from eagle3x import artifacts
 from eagle3x.config.problems import Problem
-from eagle3x.config.schema import (EngineName, Eagle3xConfig, HiddenSource, LoggerName,
-                                   TrainerConfig)
+from eagle3x.config.schema import (AUTO, EngineName, Eagle3xConfig, HiddenSource, LoggerName,
+                                   OfflineEval, Responses, TrainerConfig)
 from eagle3x.data.conversations import check_source, count_records
 from eagle3x.plan import PlanError, RunPlan, Resume, read_verifier_info, resolve
 from eagle3x.verifier import VerifierInfo, read_info, verifier_context
@@ -166,7 +166,7 @@ def preflight(cfg: Eagle3xConfig, runs: Sequence[str], checks: Sequence[Check],
             aux_ok = False
             problems.append(Problem("extract.aux_layer_ids", why, value=str(ids),
                                     where=_given(overrides, "extract.aux_layer_ids")))
-        if cfg.vocab.draft_vocab_size > info.vocab_size:
+        if cfg.vocab.draft_vocab_size != AUTO and cfg.vocab.draft_vocab_size > info.vocab_size:
             problems.append(Problem("vocab.draft_vocab_size",
                                     f"larger than the verifier's vocabulary ({info.vocab_size}).",
                                     value=str(cfg.vocab.draft_vocab_size)))
@@ -255,6 +255,28 @@ def vocab_inputs(w: World) -> List[Problem]:
     if w.plan is not None and artifacts.complete_manifest(w.plan.vocab.folder) is not None:
         return []
     return prepared_exists(w)
+
+
+def vocab_seen(w: World) -> List[Problem]:
+    """vocab: a fixed `vocab.draft_vocab_size` more than half of which the training data
+    can never show. Certain at startup when the prepared data exists: its trained
+    (loss-masked) tokens, counted over every sample, bound the distinct trained tokens of
+    any split (the vocab stage warns of the cases only counting reveals)."""
+    size = w.cfg.vocab.draft_vocab_size
+    if size == AUTO or w.plan is None or artifacts.complete_manifest(w.plan.vocab.folder):
+        return []
+    m = artifacts.complete_manifest(w.plan.prepared.folder)
+    trained = (m or {}).get("stats", {}).get("loss_tokens")
+    if trained is None or size - trained <= size / 2:
+        return []
+    return [Problem("vocab.draft_vocab_size",
+                    f"{size} tokens, but the prepared data has {trained} trained tokens in all "
+                    f"(at most that many distinct): more than half of the draft vocabulary "
+                    f"could never be a trained target, and its lm_head rows cost training and "
+                    f"serving time.", value=str(size),
+                    where=_given(w.overrides, "vocab.draft_vocab_size"),
+                    hint=f"vocab.draft_vocab_size=auto (the fewest tokens covering "
+                         f"{w.cfg.vocab.coverage:g} of the trained ones), or at most {trained}")]
 
 
 def gpus(w: World) -> List[Problem]:
@@ -447,8 +469,12 @@ def online_memory(w: World) -> List[Problem]:
     if not found:
         return []
     m = found[0]
+    vocab = cfg.vocab.draft_vocab_size
+    if vocab == AUTO:  # sized by the vocab stage: the built one, else leave its lm_head out
+        made = artifacts.complete_manifest(plan.vocab.folder)
+        vocab = int((made or {}).get("stats", {}).get("draft_vocab_size", 0))
     draft = draft_training_bytes(
-        draft_shape(plan.verifier, cfg.vocab.draft_vocab_size, cfg.train.intermediate_size),
+        draft_shape(plan.verifier, vocab, cfg.train.intermediate_size),
         cfg.train.freeze_embeddings, cfg.trainer.precision)
     procs = 1 if on_gpu else training_processes(cfg.trainer)  # CPU ranks share its memory
     vllm = cfg.engine.name is EngineName.vllm
@@ -697,6 +723,13 @@ def notices(cfg: Eagle3xConfig, runs: Sequence[str]) -> List[str]:
                    "verifier's whenever their hidden sizes match (EAGLEWorkerV2.init_lm_head -> "
                    "set_embed), so under SGLang this draft runs with embeddings it was not "
                    "trained with.")
+    if ("eval" in runs and cfg.eval.offline is OfflineEval.data and not cfg.verifier.tiny
+            and cfg.data.responses is Responses.original):
+        out.append("eval.offline=data scores the draft along the data's own replies, which are "
+                   "not the verifier's: on a real verifier that figure can be far above what "
+                   "vLLM accepts (SmolLM2-135M with the bundled replies: 2.21 offline, 1.18 in "
+                   "vLLM). eval.offline=greedy scores it on the verifier's greedy continuations "
+                   "of held-out prompts, as vLLM decodes.")
     if "train" in runs and _trains_on_cpu(cfg.trainer) and cfg.trainer.precision == "16-mixed":
         # lightning/pytorch/trainer/connectors/accelerator_connector.py,
         # _AcceleratorConnector._check_and_init_precision: a warning, then bf16-mixed
