@@ -163,23 +163,38 @@ def _prompts(plan: RunPlan, count: int) -> List[List[int]]:
     return prompts
 
 
-def _hf_greedy(eng: Any, head: Any, prompt: Sequence[int], length: int) -> List[int]:
-    """`length` greedy tokens after `prompt` from a transformers engine's base model and the
-    verifier's head (argmax: the family's logit scale and soft-cap keep it), past any stop
-    token, reusing the KV cache."""
+def _hf_greedy(eng: Any, head: Any, prompts: Sequence[Sequence[int]], length: int,
+               batch: int = 16) -> List[List[int]]:
+    """`length` greedy tokens after each prompt from a transformers engine's base model and
+    the verifier's head (argmax: the family's logit scale and soft-cap keep it), past any
+    stop token. `batch` prompts at a time, left-padded (attention mask and positions say
+    where each starts), reusing the KV cache."""
     import torch
 
     model, device = eng.model, eng.device
-    out: List[int] = []
+    out: List[List[int]] = []
     with torch.inference_mode():
-        ids = torch.tensor([list(map(int, prompt))], device=device)
-        cache = None
-        for _ in range(length):
-            res = model(input_ids=ids, past_key_values=cache, use_cache=True)
-            cache = res.past_key_values
-            tok = int((res.last_hidden_state[0, -1].float().cpu() @ head.T).argmax())
-            out.append(tok)
-            ids = torch.tensor([[tok]], device=device)
+        for at in range(0, len(prompts), batch):
+            group = [list(map(int, p)) for p in prompts[at:at + batch]]
+            width = max(map(len, group))
+            ids = torch.zeros(len(group), width, dtype=torch.long)
+            mask = torch.zeros(len(group), width, dtype=torch.long)
+            for i, p in enumerate(group):
+                ids[i, width - len(p):] = torch.tensor(p)
+                mask[i, width - len(p):] = 1
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            ids, mask, pos = ids.to(device), mask.to(device), pos.to(device)
+            cache, made = None, []
+            for _ in range(length):
+                res = model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                            past_key_values=cache, use_cache=True)
+                cache = res.past_key_values
+                tok = (res.last_hidden_state[:, -1].float().cpu() @ head.T).argmax(-1)
+                made.append(tok)
+                ids = tok[:, None].to(device)
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+                pos = pos[:, -1:] + 1
+            out += torch.stack(made, dim=1).tolist()
     return out
 
 
@@ -195,7 +210,7 @@ def greedy_paths(plan: RunPlan, engine: EngineConfig, extract: ExtractConfig,
     if engine.name is EngineName.hf:
         eng = open_engine(engine, plan.verifier, plan.aux_layer_ids, longest, plan.run_dir)
         try:
-            paths = [_hf_greedy(eng, head, p, length) for p in prompts]
+            paths = _hf_greedy(eng, head, prompts, length)
             feats = extract_all(eng, [list(p) + q for p, q in zip(prompts, paths)],
                                 extract.batch_size)
         finally:
@@ -240,7 +255,8 @@ def greedy_offline(plan: RunPlan, settings: EvalConfig, extract: ExtractConfig,
     out = replay(draft, head, prompts, seqs, served, feats, depth)
     out.update(prompts=len(prompts), max_new_tokens=m, depth=depth,
                mean_new_tokens=sum(served) / len(served), engine=engine.name.value,
-               seconds=round(time.perf_counter() - t0, 1))
+               seconds=round(time.perf_counter() - t0, 1),
+               _served=[q[:n] for q, n in zip(paths, served)])  # (dropped before writing)
     return out
 
 
@@ -287,7 +303,7 @@ def live(plan: RunPlan, settings: EvalConfig, extract: ExtractConfig, engine: En
             "speculative_paths_consistent": consistent,
             "verifier_agreement": agreement, "parity": errors,
             "parity_max_rel_error": max(v for k, v in errors.items() if k != "same_first_proposal"),
-            "served_dtype": dtype}
+            "served_dtype": dtype, "_served": made}
 
 
 def run(plan: RunPlan, eval: EvalConfig, train: TrainConfig, extract: ExtractConfig,
@@ -321,11 +337,16 @@ def run(plan: RunPlan, eval: EvalConfig, train: TrainConfig, extract: ExtractCon
                       measures_what=MEASURES[OfflineEval.greedy], data=data_figure)
     report["draft"] = str(draft_dir)
     report["hidden"] = hidden.source.value
+    mine = report.pop("_served", None)
     if eval.live:
         report["live"] = lv = live(plan, eval, extract, engine, draft_dir, draft, head)
-        if report["measures"] == OfflineEval.greedy.value and lv["served"]["mean_accepted_length"]:
+        theirs = lv.pop("_served")
+        if mine is not None and lv["served"]["mean_accepted_length"]:
             lv["offline_estimate_vs_served"] = (
                 (report["mean_accepted_length"] or 0) / lv["served"]["mean_accepted_length"] - 1)
+            # The greedy continuations the estimate scored, against those vLLM served.
+            lv["offline_paths_same_as_served"] = (
+                sum(a == b for a, b in zip(mine, theirs)) / max(len(theirs), 1))
     artifacts.write_json_atomic(out / "eval.json", report)
     wandb = sys.modules.get("wandb")  # the train stage of this run opened it, if any
     if wandb is not None and getattr(wandb, "run", None) is not None:
@@ -353,7 +374,9 @@ def run(plan: RunPlan, eval: EvalConfig, train: TrainConfig, extract: ExtractCon
                  lv["parity_max_rel_error"], lv["served_dtype"])
         if "offline_estimate_vs_served" in lv:
             log.info("eval: the offline estimate (greedy, engine=%s) is %+.1f%% of vLLM's served "
-                     "figure", report["engine"], 100 * lv["offline_estimate_vs_served"])
+                     "figure; its greedy continuations are vLLM's on %.0f%% of the prompts",
+                     report["engine"], 100 * lv["offline_estimate_vs_served"],
+                     100 * lv["offline_paths_same_as_served"])
     return Outcome("eval", "wrote", out / "eval.json")
 
 
