@@ -201,7 +201,9 @@ def eagle3x_run(args: argparse.Namespace, data: str, name: str, extra: List[str]
             return rec
     summary = read_json(folder / "summary.json")
     rec["train"] = {"wall_seconds": wall, "stage_seconds": summary.get("stage_seconds"),
-                    "steps": summary.get("steps"), "train_tokens": summary.get("train_tokens"),
+                    "steps": summary.get("steps"),
+                    # eagle3x's summary: mean tokens per batch x steps (every position)
+                    "tokens": summary.get("train_tokens"),
                     "train_samples": summary.get("train_samples"),
                     "val_acc": summary.get("acc"), "val_accept_len": summary.get("val_accept_len")}
     plan = read_json(folder / "plan.json")
@@ -343,6 +345,9 @@ def child_peer_train(job: Dict[str, Any]) -> None:
     v = vocab_stage.load(plan.vocab.folder)
     t2d, d2t = torch.from_numpy(v["t2d"]), torch.from_numpy(v["d2t"])
     vllm_ids = [k + 1 for k in plan.aux_layer_ids]  # vLLM / speculators number after the layer
+    from speculators.models.utils import resolve_target_layer_ids
+
+    default_ids = list(resolve_target_layer_ids(None, str(plan.verifier.path)))
     defaults = TrainConfig()
     cfg = TrainConfig.from_flat({
         **defaults.flatten(), "verifier_name_or_path": str(plan.verifier.path),
@@ -427,7 +432,7 @@ def child_peer_train(job: Dict[str, Any]) -> None:
                                "sliding_window": args.sliding_window,
                                "num_layers": args.num_layers,
                                "aux_layer_ids_vllm": model.target_layer_ids,
-                               "speculators_default_aux_ids_match": True},
+                               "speculators_default_aux_ids": default_ids},
               "loss": {"loss_fn": args.loss_fn, "ttt_steps": args.ttt_steps,
                        "ttt_step_loss_decay": args.ttt_step_loss_decay},
               "set_by_bench": PEER_SETTINGS, "config_changed_from_defaults": changed,
@@ -613,9 +618,10 @@ def main() -> None:
     print("\n".join(rows_of(records)))
     print()
     print("\n".join(summary_of(records)))
-    budget = {(r["data"], r["recipe"], r["seed"]): (r.get("train") or {}).get("train_tokens")
+    budget = {(r["data"], r["recipe"], r["seed"]): (r.get("train") or {}).get("tokens")
               for r in records}
-    print(f"\ntrained (loss-masked) tokens per run: "
+    print(f"\ntokens trained on per run (every position; eagle3x: its mean tokens per batch x "
+          f"steps, the peer: counted, one fewer per sample after its shift): "
           + "; ".join(f"{d}/{n}/seed{s}: {t}" for (d, n, s), t in budget.items()))
     print(f"all runs: {time.perf_counter() - t_all:.0f} s; results -> {results_path}")
 
