@@ -348,15 +348,17 @@ def extraction_pending(plan: Optional[RunPlan]) -> bool:
 
 
 def engine_memory(w: World) -> List[Problem]:
-    """extract and regenerate (engine=vllm, with work to do) and eval (eval.live): the
-    memory vLLM will reserve is free now (rules in eagle3x.config.machine)."""
+    """extract and regenerate (engine=vllm, with work to do) and eval (eval.live, or
+    eval.offline=greedy with engine=vllm): the memory vLLM will reserve is free now (rules in
+    eagle3x.config.machine)."""
     from eagle3x.config import machine
 
     vllm = w.cfg.engine.name is EngineName.vllm
     regenerating = (vllm and "regenerate" in w.runs and w.plan is not None
                     and artifacts.complete_manifest(w.plan.regenerated.folder) is None)
     starts = ((vllm and "extract" in w.runs and extraction_pending(w.plan)) or regenerating
-              or ("eval" in w.runs and w.cfg.eval.live) or (vllm and online(w))
+              or ("eval" in w.runs and (w.cfg.eval.live or (vllm and greedy_eval(w))))
+              or (vllm and online(w))
               or (vllm and "serve" in w.runs))
     if not starts:
         return []
@@ -612,10 +614,16 @@ def logger_installed(w: World) -> List[Problem]:
     return []
 
 
+def greedy_eval(w: World) -> bool:
+    """eval.offline=greedy: the eval stage runs the engine (greedy continuations and their
+    hidden states)."""
+    return w.cfg.eval.offline is OfflineEval.greedy
+
+
 def vllm_family(w: World) -> List[Problem]:
-    """extract with engine=vllm, and eval.live: vLLM can give this verifier's aux hidden
-    states, decided from config.json's architectures and eagle3x's family table
-    (eagle3x.families; no vLLM import). Architectures not in the table are asked of vLLM's
+    """extract with engine=vllm, eval.offline=greedy with engine=vllm, and eval.live: vLLM
+    can give this verifier's aux hidden states, decided from config.json's architectures
+    and eagle3x's family table (eagle3x.families; no vLLM import). Architectures not in the table are asked of vLLM's
     registry before the stages start (eagle3x.pipeline)."""
     from eagle3x.families import family_of
 
@@ -626,6 +634,9 @@ def vllm_family(w: World) -> List[Problem]:
             ("extract" in w.runs and extraction_pending(w.plan)) or online(w)
             or "serve" in w.runs):
         uses.append(("engine", "vllm", "engine=hf extracts it (transformers)"))
+    if w.cfg.engine.name is EngineName.vllm and "eval" in w.runs and greedy_eval(w):
+        uses.append(("eval.offline", "greedy", "engine=hf makes the greedy continuations "
+                                               "(transformers)"))
     if "eval" in w.runs and w.cfg.eval.live:
         uses.append(("eval.live", "true", "drop eval.live (the offline eval still runs)"))
     fam = family_of(w.info.architectures)

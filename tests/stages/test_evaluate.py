@@ -50,3 +50,18 @@ def test_startup_notes_when_the_offline_figure_follows_the_data_not_the_verifier
         notes: list = []
         validate(argv, notes)
         assert any("eval.offline=greedy scores" in n for n in notes) == noted, (argv, notes)
+
+
+def test_a_greedy_estimate_vllm_cannot_make_is_refused_at_startup(cli, tiny_verifier, tmp_path):
+    """eval.offline=greedy runs the engine: with engine=vllm on a family vLLM cannot give aux
+    hidden states for, startup refuses it naming the key and engine=hf; engine=hf runs."""
+    from tests.test_families import named
+
+    verifier = named(tiny_verifier, tmp_path, "Gemma3ForCausalLM")
+    args = ["stage=eval", "verifier=local", f"verifier.path={verifier}", "experiment=tiny",
+            "eval.offline=greedy", "logger=none"]
+    r = cli(*args, "engine=vllm")
+    assert r.returncode == 2
+    assert "eval.offline=greedy" in r.stderr and "engine=hf" in r.stderr
+    assert "SupportsEagle3" in r.stderr
+    assert cli.refusal([*args, "engine=hf"], None) is None  # nothing refused
