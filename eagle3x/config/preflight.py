@@ -276,7 +276,8 @@ def vocab_seen(w: World) -> List[Problem]:
                     f"serving time.", value=str(size),
                     where=_given(w.overrides, "vocab.draft_vocab_size"),
                     hint=f"vocab.draft_vocab_size=auto (the fewest tokens covering "
-                         f"{w.cfg.vocab.coverage:g} of the trained ones), or at most {trained}")]
+                         f"{100 * w.cfg.vocab.coverage:g}% of the trained ones), or at most "
+                         f"{trained}")]
 
 
 def gpus(w: World) -> List[Problem]:
