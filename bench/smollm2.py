@@ -103,8 +103,7 @@ def _write(out: Path) -> None:
     cfg = AutoConfig.from_pretrained(d, gguf_file=f)
     cfg.architectures = ["LlamaForCausalLM"]
     cfg.tie_word_embeddings = True
-    cfg.torch_dtype = "float32"
-    cfg._name_or_path = NAME
+    cfg.dtype = "float32"
     quantized = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
     state = {k: v.detach().to(torch.float32).contiguous() for k, v in quantized.state_dict().items()}
     del quantized
