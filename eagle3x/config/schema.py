@@ -291,9 +291,9 @@ class VocabConfig:
         "must be a number of tokens (at least 1) or auto")
     # auto: the share of trained (loss-masked) tokens the draft vocabulary covers. A token
     # outside it can never be proposed, so the held-out tokens it misses cap the first
-    # draft position's acceptance. 0.999 keeps held-out coverage within 0.1 point of every
-    # distinct trained token on the data measured (0.99 lost 1.4-1.8 points) with 4-30%
-    # fewer tokens; bench/RESULTS.md has the table.
+    # draft position's acceptance. On the data measured 0.999 keeps held-out coverage
+    # within 0.4 point of what every distinct trained token gives, with 2-4% fewer tokens
+    # (0.99 lost 1.4-3.1 points); bench/RESULTS.md has the table.
     coverage: float = checked(0.999, lambda v: 0 < v <= 1, "must be in (0, 1]")
     # auto: at most this many tokens (and never more than the verifier's vocabulary).
     max_draft_vocab_size: int = at_least(1, 32000)
