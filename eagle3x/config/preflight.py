@@ -739,7 +739,7 @@ def notices(cfg: Eagle3xConfig, runs: Sequence[str]) -> List[str]:
             and cfg.data.responses is Responses.original):
         out.append("eval.offline=data scores the draft along the data's own replies, which are "
                    "not the verifier's: on a real verifier that figure can be far above what "
-                   "vLLM accepts (SmolLM2-135M with the bundled replies: 2.21 offline, 1.18 in "
+                   "vLLM accepts (SmolLM2-135M with the bundled replies: 2.01 offline, 1.15 in "
                    "vLLM). eval.offline=greedy scores it on the verifier's greedy continuations "
                    "of held-out prompts, as vLLM decodes.")
     if "train" in runs and _trains_on_cpu(cfg.trainer) and cfg.trainer.precision == "16-mixed":
