@@ -40,7 +40,10 @@ One run = one data mode x one recipe x one seed:
      below and is written to the run's peer.json. It reads the eagle3x run's hidden states
      and vocabulary (the plan of the base config), takes the same number of training
      samples per step for the same steps, saves its own format (`save_pretrained`), and
-     the same vLLM serves that folder on the same prompts at each k (`ServedDraft`).
+     the same vLLM serves that folder on the same prompts at each k (`ServedDraft`). Then
+     speculators' own model, loaded from that folder, is replayed on vLLM's greedy paths
+     (rounds as vLLM runs them) and its first draft step is held against what vLLM's
+     drafter computed (the probe's record): the served draft is the trained one.
 
 Printed: one row per (data, recipe, seed, k) and a summary per (data, recipe, k) over the
 seeds (mean, and min..max with several), with eagle3x over the peer. Everything goes to
@@ -289,6 +292,9 @@ def peer_run(args: argparse.Namespace, data: str, seed: int, folder: Path) -> Di
         rec["depths"][k] = {"vllm": res["served"]["mean_accepted_length"],
                             "vllm_per_position": res["served"]["acceptance_rate_per_depth"],
                             "vllm_drafts": res["served"]["drafts"],
+                            "replay_of_vllm_paths": (res.get("peer_replay") or {}).get(
+                                "mean_accepted_length"),
+                            "parity": res.get("peer_step0_logits_rel_error"),
                             "mean_new_tokens": res["mean_new_tokens"],
                             "eval_wall_seconds": wall}
     return rec
@@ -455,28 +461,106 @@ def _peer_version() -> str:
 
 
 def child_peer_live(job: Dict[str, Any]) -> None:
-    """vLLM serves the peer's folder beside the verifier on the eval's held-out prompts."""
+    """vLLM serves the peer's folder beside the verifier on the eval's held-out prompts; then
+    the peer's own model (speculators, from the saved folder) is replayed on vLLM's greedy
+    paths (features from transformers, float32) and its first draft step is held against
+    what vLLM's drafter computed (the probe's record): the served draft is the trained one."""
+    import dataclasses
+
     from eagle3x.config.compose import load_config, typed
+    from eagle3x.config.schema import EngineName
     from eagle3x.draft.live import ServedDraft, served_counts
-    from eagle3x.engines.base import vllm_options
-    from eagle3x.stages.evaluate import held_out_prompts
+    from eagle3x.engines.base import open_engine, vllm_options
+    from eagle3x.stages.evaluate import extract_all, held_out_prompts
 
     settings = typed(load_config(["stage=train", *job["overrides"]]))
     plan = _plan(job["overrides"])
     depth, m = job["depth"], settings.eval.max_new_tokens
     prompts = held_out_prompts(plan, settings.eval.prompts)
     longest = max(map(len, prompts)) + m + depth + 2
-    served = ServedDraft(plan.verifier.path, Path(job["out"]) / "draft", depth,
+    draft_dir = Path(job["out"]) / "draft"
+    served = ServedDraft(plan.verifier.path, draft_dir, depth,
                          vllm_options(settings.engine, plan.verifier), longest)
     try:
         before = served.counters()
         made = served.generate(prompts, m)
         counts = served_counts(before, served.counters(), depth)
+        paths = served.generate(prompts, m + depth + 1, ignore_eos=True)
+        record = served.record_first_steps(prompts[0], Path(job["out"]) / f"parity-k{depth}.safetensors")
     finally:
         served.close()
-    Path(job["result"]).write_text(json.dumps(
-        {"served": counts, "prompts": len(prompts), "depth": depth, "max_new_tokens": m,
-         "mean_new_tokens": sum(map(len, made)) / len(made), "dtype": served.dtype}, indent=1))
+    result = {"served": counts, "prompts": len(prompts), "depth": depth, "max_new_tokens": m,
+              "mean_new_tokens": sum(map(len, made)) / len(made), "dtype": served.dtype}
+    seqs = [list(p) + q for p, q in zip(prompts, paths)]
+    hf = dataclasses.replace(settings.engine, name=EngineName.hf, dtype="float32")
+    eng = open_engine(hf, plan.verifier, plan.aux_layer_ids, longest, Path(job["out"]))
+    try:
+        feats = extract_all(eng, seqs, settings.extract.batch_size)
+    finally:
+        eng.close()
+    result.update(peer_replay(job["peer_site"], draft_dir, prompts, seqs,
+                              [len(q) for q in made], feats, depth, record))
+    Path(job["result"]).write_text(json.dumps(result, indent=1))
+
+
+def peer_replay(peer_site: str, draft_dir: Path, prompts: Sequence[Sequence[int]],
+                seqs: Sequence[Sequence[int]], served: Sequence[int], feats: Sequence[Any],
+                depth: int, record: Dict[str, Any]) -> Dict[str, Any]:
+    """The peer's saved draft run by speculators itself on each greedy path: its chain
+    acceptance from every position (its forward feeds the path's tokens after step 0,
+    which equal its own proposals wherever they were accepted), rounds replayed as vLLM
+    runs them; and its first step's logits on the first prompt against vLLM's."""
+    sys.path.insert(0, peer_site)
+    import torch
+    from safetensors.torch import load_file
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+    from eagle3x.draft.live import greedy_rounds, summarise
+
+    config = Eagle3SpeculatorConfig.from_pretrained(str(draft_dir))
+    config.transformer_layer_config._attn_implementation = "sdpa"  # noqa: SLF001
+    model = Eagle3DraftModel(config)
+    model.load_state_dict(load_file(str(draft_dir / "model.safetensors")), strict=False)
+    model.eval()
+    d2t = model.d2t.long()
+    step_logits: List[torch.Tensor] = []
+    hook = model.lm_head.register_forward_hook(lambda _m, _i, o: step_logits.append(o.detach()))
+    drafts = accepted = 0
+    per_pos = [0] * depth
+    parity = None
+    try:
+        for j, (prompt, seq, made, (aux, _last)) in enumerate(zip(prompts, seqs, served, feats)):
+            T, n = len(seq), len(prompt)
+            step_logits.clear()
+            with torch.no_grad():
+                tokens = model(hidden_states=aux[:-1].float()[None],
+                               input_ids=torch.tensor([list(seq[1:])]),
+                               document_ids=torch.zeros(1, T - 1, dtype=torch.long),
+                               position_ids=torch.arange(1, T)[None], ttt_steps=depth)
+            targets = [(t[0] + d2t[t[0]]).tolist() for t in tokens]
+            acc = []
+            for i in range(T - 1):
+                a = 0
+                while a < depth and i + a + 2 < T and targets[a][i] == seq[i + a + 2]:
+                    a += 1
+                acc.append(a)
+            rounds = greedy_rounds(acc, n - 1, made)
+            drafts += rounds["num_drafts"]
+            accepted += rounds["num_accepted_tokens"]
+            for k, c in enumerate(rounds["accepted_per_pos"]):
+                per_pos[k] += c
+            if j == 0:  # vLLM's first draft step on this prompt: logits at its last position
+                ours = step_logits[0][0, n - 1].float()
+                theirs = record["logits_0"][-1].float()
+                full = torch.full_like(theirs, float("-inf"))
+                full[torch.arange(len(d2t)) + d2t] = ours
+                fin = torch.isfinite(theirs)
+                parity = (float((theirs[fin] - full[fin]).norm() / theirs[fin].norm())
+                          if torch.equal(fin, torch.isfinite(full)) else float("inf"))
+    finally:
+        hook.remove()
+    return {"peer_replay": summarise(drafts, accepted, per_pos, depth),
+            "peer_step0_logits_rel_error": parity}
 
 
 # --------------------------------------------------------------------------------- report
@@ -487,12 +571,13 @@ def fmt(x: Optional[float], nd: int = 3) -> str:
 
 def rows_of(records: List[Dict[str, Any]]) -> List[str]:
     out = ["| data | recipe | seed | k | vLLM mean accepted length | vLLM per position | "
-           "offline greedy (vs vLLM) | offline data | train s | eval s |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "offline greedy (vs vLLM) | offline data | replay of vLLM's paths, parity | "
+           "train s | eval s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         for k, d in sorted((r.get("depths") or {}).items()):
             if "error" in d:
-                out.append(f"| {r['data']} | {r['recipe']} | {r['seed']} | {k} | error | | | | | |")
+                out.append(f"| {r['data']} | {r['recipe']} | {r['seed']} | {k} | error | | | | | | |")
                 continue
             per = " ".join(f"{x:.2f}" for x in d.get("vllm_per_position") or [])
             gap = d.get("offline_greedy_vs_vllm")
@@ -500,9 +585,12 @@ def rows_of(records: List[Dict[str, Any]]) -> List[str]:
                       else fmt(d.get("offline_greedy")))
             tr = r.get("train") or {}
             train_s = tr.get("train_seconds") or (tr.get("stage_seconds") or {}).get("train")
+            par = d.get("parity")
+            replay = (f"{fmt(d.get('replay_of_vllm_paths'))}, {par:.1e}" if par is not None
+                      else fmt(d.get("replay_of_vllm_paths")))
             out.append(f"| {r['data']} | {r['recipe']} | {r['seed']} | {k} | **{fmt(d.get('vllm'))}** | "
-                       f"{per} | {greedy} | {fmt(d.get('offline_data'))} | {fmt(train_s, 0)} | "
-                       f"{fmt(d.get('eval_wall_seconds'), 0)} |")
+                       f"{per} | {greedy} | {fmt(d.get('offline_data'))} | {replay} | "
+                       f"{fmt(train_s, 0)} | {fmt(d.get('eval_wall_seconds'), 0)} |")
     return out
 
 
