@@ -25,7 +25,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from eagle3x.artifacts import Outcome
 from eagle3x.config import preflight
 from eagle3x.config.problems import EXIT_REFUSED, Problem, Refused
-from eagle3x.config.schema import EngineName, Eagle3xConfig, HiddenSource, Responses, Stage
+from eagle3x.config.schema import (EngineName, Eagle3xConfig, HiddenSource, OfflineEval,
+                                   Responses, Stage)
 from eagle3x.plan import RunPlan, resolve
 from eagle3x.stages import evaluate, export, extract, prepare, regenerate, serve, train, vocab
 
@@ -87,7 +88,7 @@ STAGES: Tuple[StageSpec, ...] = (
                       preflight.engine_memory, preflight.vllm_family),
               # hidden=online|server: training gets the hidden states; extract runs only by name
               unless=lambda s: s.hidden.source is not HiddenSource.offline),
-    StageSpec("vocab", vocab.run, checks=(preflight.vocab_inputs,)),
+    StageSpec("vocab", vocab.run, checks=(preflight.vocab_inputs, preflight.vocab_seen)),
     StageSpec("train", train.run, sections=("train", "trainer", "logger", "extract", "engine",
                                             "hidden", "draft"),
               before=("regenerate", "prepare", "extract", "vocab"), precheck=lambda p, s: [
@@ -102,7 +103,9 @@ STAGES: Tuple[StageSpec, ...] = (
               checks=(preflight.foreign_shards, preflight.live_serving,
                       preflight.engine_memory, preflight.vllm_family,
                       preflight.hidden_servers),
-              precheck=lambda p, s: _vllm_support(p) if s.eval.live else []),
+              precheck=lambda p, s: _vllm_support(p) if (s.eval.live or (
+                  s.eval.offline is OfflineEval.greedy and s.engine.name is EngineName.vllm))
+              else []),
     StageSpec("export", export.run, sections=("train", "trainer"), before=("vocab",),
               in_all=False),
     StageSpec("serve", serve.run, sections=("serve", "engine", "extract", "hidden"),

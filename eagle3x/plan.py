@@ -18,7 +18,7 @@ Fingerprints key the shared artifact store (``<paths.artifacts>/<kind>/<fingerpr
     hidden    prepared data, verifier, aux layer ids, stored dtype, storage format when
               not the default (not the sample count: extraction grows a prefix of the
               prepared order)
-    vocab     prepared data, holdout_samples, num_samples, draft_vocab_size
+    vocab     prepared data, holdout_samples, num_samples, draft_vocab_size (auto: coverage, max)
 
 An explicit folder (``prepare.output_dir``, ``extract.prepared_data``, ``extract.output_dir``,
 ``vocab.output_dir``) always wins over the store. This module imports nothing heavy.
@@ -31,11 +31,11 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
 from eagle3x import artifacts, verifier
 from eagle3x.families import describe as describe_family
-from eagle3x.config.schema import Eagle3xConfig, Responses, Stage
+from eagle3x.config.schema import AUTO, Eagle3xConfig, Responses, Stage
 from eagle3x.verifier import VerifierInfo
 
 
@@ -249,7 +249,11 @@ class RunPlan:
     hidden_dtype: str
     #: storage_format(extract): aux "native" | "fp8" | "int8", teacher "hidden" | "topk"
     hidden_format: Dict[str, Any]
-    draft_vocab_size: int
+    #: a number of tokens, or "auto": sized by the vocab stage (`draft_vocab_coverage` of
+    #: the trained tokens, at most `draft_vocab_max`)
+    draft_vocab_size: Union[int, str]
+    draft_vocab_coverage: float
+    draft_vocab_max: int
     split: Split
     resume: Resume
     run_dir: Path
@@ -283,7 +287,10 @@ class RunPlan:
             "prepared": ref(self.prepared), "hidden": {**ref(self.hidden),
                                                         "dtype": self.hidden_dtype,
                                                         "format": self.hidden_format},
-            "vocab": {**ref(self.vocab), "draft_vocab_size": self.draft_vocab_size},
+            "vocab": {**ref(self.vocab), "draft_vocab_size": self.draft_vocab_size,
+                      **({"coverage": self.draft_vocab_coverage,
+                          "max_draft_vocab_size": self.draft_vocab_max}
+                         if self.draft_vocab_size == AUTO else {})},
             "resume": self.resume.mode if self.resume.path is None else str(self.resume.path),
             "run_dir": str(self.run_dir),
         }
@@ -370,7 +377,10 @@ def resolve(cfg: Eagle3xConfig, run_dir: Optional[Path] = None,
                                       **({"format": fmt} if fmt != DEFAULT_FORMAT else {})})
         vocab_fp = artifacts.digest({"prepared": prepared_id, "num_samples": cfg.data.num_samples,
                                      "holdout_samples": cfg.data.holdout_samples,
-                                     "draft_vocab_size": cfg.vocab.draft_vocab_size})
+                                     "draft_vocab_size": cfg.vocab.draft_vocab_size,
+                                     **({"coverage": cfg.vocab.coverage,
+                                         "max_draft_vocab_size": cfg.vocab.max_draft_vocab_size}
+                                        if cfg.vocab.draft_vocab_size == AUTO else {})})
     hidden = place("hidden", cfg.extract.output_dir, hidden_fp, "extract.output_dir")
     vocab = place("vocab", cfg.vocab.output_dir, vocab_fp, "vocab.output_dir")
 
@@ -383,7 +393,8 @@ def resolve(cfg: Eagle3xConfig, run_dir: Optional[Path] = None,
         regenerated=regenerated, prepared=prepared,
         hidden=hidden, vocab=vocab, hidden_dtype=cfg.extract.dtype.value,
         hidden_format=storage_format(cfg.extract),
-        draft_vocab_size=cfg.vocab.draft_vocab_size,
+        draft_vocab_size=cfg.vocab.draft_vocab_size, draft_vocab_coverage=cfg.vocab.coverage,
+        draft_vocab_max=cfg.vocab.max_draft_vocab_size,
         split=Split(cfg.data.holdout_samples, cfg.data.num_samples, cfg.extract.min_samples),
         resume=Resume.parse(cfg.train.resume), run_dir=out, config=config_record(cfg))
 

@@ -17,8 +17,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 from eagle3x import artifacts
 from eagle3x.config.problems import Problem
-from eagle3x.config.schema import (EngineName, Eagle3xConfig, HiddenSource, LoggerName,
-                                   TrainerConfig)
+from eagle3x.config.schema import (AUTO, EngineName, Eagle3xConfig, HiddenSource, LoggerName,
+                                   OfflineEval, Responses, TrainerConfig)
 from eagle3x.data.conversations import Fields, check_source, count_records
 from eagle3x.plan import (PlanError, RunPlan, Resume, hub_source, input_memo, read_verifier_info,
                           resolve)
@@ -165,7 +165,7 @@ def preflight(cfg: Eagle3xConfig, runs: Sequence[str], checks: Sequence[Check],
             aux_ok = False
             problems.append(Problem("extract.aux_layer_ids", why, value=str(ids),
                                     where=_given(overrides, "extract.aux_layer_ids")))
-        if cfg.vocab.draft_vocab_size > info.vocab_size:
+        if cfg.vocab.draft_vocab_size != AUTO and cfg.vocab.draft_vocab_size > info.vocab_size:
             problems.append(Problem("vocab.draft_vocab_size",
                                     f"larger than the verifier's vocabulary ({info.vocab_size}).",
                                     value=str(cfg.vocab.draft_vocab_size)))
@@ -298,6 +298,29 @@ def vocab_inputs(w: World) -> List[Problem]:
     return prepared_exists(w)
 
 
+def vocab_seen(w: World) -> List[Problem]:
+    """vocab: a fixed `vocab.draft_vocab_size` more than half of which the training data
+    can never show. Certain at startup when the prepared data exists: its trained
+    (loss-masked) tokens, counted over every sample, bound the distinct trained tokens of
+    any split (the vocab stage warns of the cases only counting reveals)."""
+    size = w.cfg.vocab.draft_vocab_size
+    if size == AUTO or w.plan is None or artifacts.complete_manifest(w.plan.vocab.folder):
+        return []
+    m = artifacts.complete_manifest(w.plan.prepared.folder)
+    trained = (m or {}).get("stats", {}).get("loss_tokens")
+    if trained is None or size - trained <= size / 2:
+        return []
+    return [Problem("vocab.draft_vocab_size",
+                    f"{size} tokens, but the prepared data has {trained} trained tokens in all "
+                    f"(at most that many distinct): more than half of the draft vocabulary "
+                    f"could never be a trained target, and its lm_head rows cost training and "
+                    f"serving time.", value=str(size),
+                    where=_given(w.overrides, "vocab.draft_vocab_size"),
+                    hint=f"vocab.draft_vocab_size=auto (the fewest tokens covering "
+                         f"{100 * w.cfg.vocab.coverage:g}% of the trained ones), or at most "
+                         f"{trained}")]
+
+
 def gpus(w: World) -> List[Problem]:
     """extract: tensor-parallel ranks need as many visible GPUs; hf runs on one device."""
     problems = []
@@ -367,15 +390,17 @@ def extraction_pending(plan: Optional[RunPlan]) -> bool:
 
 
 def engine_memory(w: World) -> List[Problem]:
-    """extract and regenerate (engine=vllm, with work to do) and eval (eval.live): the
-    memory vLLM will reserve is free now (rules in eagle3x.config.machine)."""
+    """extract and regenerate (engine=vllm, with work to do) and eval (eval.live, or
+    eval.offline=greedy with engine=vllm): the memory vLLM will reserve is free now (rules in
+    eagle3x.config.machine)."""
     from eagle3x.config import machine
 
     vllm = w.cfg.engine.name is EngineName.vllm
     regenerating = (vllm and "regenerate" in w.runs and w.plan is not None
                     and artifacts.complete_manifest(w.plan.regenerated.folder) is None)
     starts = ((vllm and "extract" in w.runs and extraction_pending(w.plan)) or regenerating
-              or ("eval" in w.runs and w.cfg.eval.live) or (vllm and online(w))
+              or ("eval" in w.runs and (w.cfg.eval.live or (vllm and greedy_eval(w))))
+              or (vllm and online(w))
               or (vllm and "serve" in w.runs))
     if not starts:
         return []
@@ -488,9 +513,12 @@ def online_memory(w: World) -> List[Problem]:
     if not found:
         return []
     m = found[0]
+    vocab = cfg.vocab.draft_vocab_size
+    if vocab == AUTO:  # sized by the vocab stage: the built one, else leave its lm_head out
+        made = artifacts.complete_manifest(plan.vocab.folder)
+        vocab = int((made or {}).get("stats", {}).get("draft_vocab_size", 0))
     draft = draft_training_bytes(
-        draft_shape(plan.verifier, cfg.vocab.draft_vocab_size, cfg.train.intermediate_size,
-                    cfg.draft.options()),
+        draft_shape(plan.verifier, vocab, cfg.train.intermediate_size, cfg.draft.options()),
         cfg.train.freeze_embeddings, cfg.trainer.precision)
     procs = 1 if on_gpu else training_processes(cfg.trainer)  # CPU ranks share its memory
     vllm = cfg.engine.name is EngineName.vllm
@@ -628,10 +656,16 @@ def logger_installed(w: World) -> List[Problem]:
     return []
 
 
+def greedy_eval(w: World) -> bool:
+    """eval.offline=greedy: the eval stage runs the engine (greedy continuations and their
+    hidden states)."""
+    return w.cfg.eval.offline is OfflineEval.greedy
+
+
 def vllm_family(w: World) -> List[Problem]:
-    """extract with engine=vllm, and eval.live: vLLM can give this verifier's aux hidden
-    states, decided from config.json's architectures and eagle3x's family table
-    (eagle3x.families; no vLLM import). Architectures not in the table are asked of vLLM's
+    """extract with engine=vllm, eval.offline=greedy with engine=vllm, and eval.live: vLLM
+    can give this verifier's aux hidden states, decided from config.json's architectures
+    and eagle3x's family table (eagle3x.families; no vLLM import). Architectures not in the table are asked of vLLM's
     registry before the stages start (eagle3x.pipeline)."""
     from eagle3x.families import family_of
 
@@ -642,6 +676,9 @@ def vllm_family(w: World) -> List[Problem]:
             ("extract" in w.runs and extraction_pending(w.plan)) or online(w)
             or "serve" in w.runs):
         uses.append(("engine", "vllm", "engine=hf extracts it (transformers)"))
+    if w.cfg.engine.name is EngineName.vllm and "eval" in w.runs and greedy_eval(w):
+        uses.append(("eval.offline", "greedy", "engine=hf makes the greedy continuations "
+                                               "(transformers)"))
     if "eval" in w.runs and w.cfg.eval.live:
         uses.append(("eval.live", "true", "drop eval.live (the offline eval still runs)"))
     fam = family_of(w.info.architectures)
@@ -776,6 +813,13 @@ def notices(cfg: Eagle3xConfig, runs: Sequence[str]) -> List[str]:
                    "of them but the layer count, and runs later layers without the running "
                    "residual, so under SGLang this draft computes something else. Serve it "
                    "with vLLM.")
+    if ("eval" in runs and cfg.eval.offline is OfflineEval.data and not cfg.verifier.tiny
+            and cfg.data.responses is Responses.original):
+        out.append("eval.offline=data scores the draft along the data's own replies, which are "
+                   "not the verifier's: on a real verifier that figure can be far above what "
+                   "vLLM accepts (SmolLM2-135M with the bundled replies: 2.01 offline, 1.15 in "
+                   "vLLM). eval.offline=greedy scores it on the verifier's greedy continuations "
+                   "of held-out prompts, as vLLM decodes.")
     if "train" in runs and _trains_on_cpu(cfg.trainer) and cfg.trainer.precision == "16-mixed":
         # lightning/pytorch/trainer/connectors/accelerator_connector.py,
         # _AcceleratorConnector._check_and_init_precision: a warning, then bf16-mixed

@@ -12,12 +12,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Union
 
 from omegaconf import MISSING
 
 #: dataclasses.field metadata key holding a field's Rule.
 RULE = "eagle3x.rule"
+#: `vocab.draft_vocab_size=auto`: sized by coverage of the trained tokens.
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,17 @@ class Turns(Enum):
 class OnLength(Enum):
     keep = "keep"
     drop = "drop"
+
+
+class OfflineEval(Enum):
+    """What eval's offline figure scores the draft on."""
+
+    # the held-out samples' own replies, from every trained position (no engine; where
+    # those replies are not the verifier's own greedy ones it overstates live decoding)
+    data = "data"
+    # the verifier's greedy continuations of held-out prompts, rounds replayed as vLLM
+    # runs them (the estimate of vLLM's served accepted length; the engine runs again)
+    greedy = "greedy"
 
 
 class LoggerName(Enum):
@@ -314,7 +327,22 @@ class ExtractConfig:
 
 @dataclass
 class VocabConfig:
-    draft_vocab_size: int = at_least(1, 32000)
+    # The draft's vocabulary: a number of tokens (the most frequent trained ones), or auto:
+    # the fewest most frequent trained tokens covering `coverage` of the trained tokens, at
+    # most `max_draft_vocab_size`. A fixed size most of which the training data never shows
+    # is warned of by the vocab stage and refused at startup when the prepared data already
+    # proves it.
+    draft_vocab_size: Union[int, str] = checked(
+        32000, lambda v: v == AUTO or (type(v) is int and v >= 1),
+        "must be a number of tokens (at least 1) or auto")
+    # auto: the share of trained (loss-masked) tokens the draft vocabulary covers. A token
+    # outside it can never be proposed, so the held-out tokens it misses cap the first
+    # draft position's acceptance. On the data measured 0.999 keeps held-out coverage
+    # within 0.4 point of what every distinct trained token gives, with 2-4% fewer tokens
+    # (0.99 lost 1.4-3.1 points); bench/RESULTS.md has the table.
+    coverage: float = checked(0.999, lambda v: 0 < v <= 1, "must be in (0, 1]")
+    # auto: at most this many tokens (and never more than the verifier's vocabulary).
+    max_draft_vocab_size: int = at_least(1, 32000)
     # Default: <paths.artifacts>/vocab/<fingerprint>.
     output_dir: Optional[str] = None
 
@@ -468,6 +496,11 @@ class EvalConfig:
     prompts: int = at_least(1, 32)
     # At most this many tokens per prompt (greedy; a prompt ends earlier at a stop token).
     max_new_tokens: int = at_least(2, 64)
+    # The offline figure (eval.json's mean_accepted_length): data, along the held-out
+    # samples' replies; or greedy, on the verifier's greedy continuations of the first
+    # `prompts` held-out prompts (made by `engine`, up to `max_new_tokens`), rounds replayed
+    # as vLLM runs them: what vLLM's served figure is estimated by.
+    offline: OfflineEval = OfflineEval.data
 
 
 @dataclass

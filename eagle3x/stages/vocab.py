@@ -1,10 +1,19 @@
 """Stage `vocab`: the draft vocabulary and the d2t / t2d maps vLLM and SGLang read.
 
-The draft predicts over the `draft_vocab_size` most frequent trained target tokens
-(assistant tokens of the training samples: the `data.num_samples` after the held-out ones;
-ties go to the lower id). Draft ids are sorted by target id, and
+The draft predicts over the most frequent trained target tokens (assistant tokens of the
+training samples: the `data.num_samples` after the held-out ones; ties go to the lower
+id): `draft_vocab_size` of them, or with `vocab.draft_vocab_size=auto` the fewest whose
+counts cover `vocab.coverage` of the trained tokens, at most `vocab.max_draft_vocab_size`
+(`auto_size`). Draft ids are sorted by target id, and
 
     target_id = draft_id + d2t[draft_id]        t2d[target_id] = in the draft vocab
+
+A fixed size larger than the distinct trained tokens is filled with the lowest unused ids;
+when those fillers are most of the vocabulary (`mostly_unseen`) the stage warns, naming
+the size auto would choose: their lm_head rows cost training and serving time and are
+never a trained target. The manifest's stats record the sizes, the coverage of the
+trained tokens and of the held-out samples' trained tokens (a token outside the draft
+vocabulary can never be proposed), and how the size was chosen.
 
 ``vocab.safetensors`` holds ``d2t`` (int64 [draft]), ``t2d`` (bool [target]) and
 ``counts`` (int64 [target]).
@@ -14,10 +23,11 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Tuple, Union
 
 from eagle3x import artifacts
 from eagle3x.artifacts import Outcome
+from eagle3x.config.schema import AUTO
 from eagle3x.data import prepared
 from eagle3x.plan import RunPlan
 
@@ -48,6 +58,31 @@ def build_mapping(counts: Any, draft_size: int) -> Tuple[Any, Any, int]:
     return d2t, t2d, max(filled, 0)
 
 
+def auto_size(counts: Any, coverage: float, cap: int) -> int:
+    """The fewest most frequent tokens whose counts add up to at least `coverage` of all
+    counts, at most `cap`; 1 when nothing is counted."""
+    import numpy as np
+
+    counts = np.asarray(counts, dtype=np.int64)
+    total = int(counts.sum())
+    if total == 0:
+        return 1
+    ranked = np.sort(counts[counts > 0])[::-1]
+    need = coverage * total
+    n = int(np.searchsorted(np.cumsum(ranked), need - 1e-9 * total, side="left")) + 1
+    return max(1, min(n, len(ranked), cap, len(counts)))
+
+
+def chosen_size(counts: Any, size: Union[int, str], coverage: float, cap: int) -> int:
+    """The draft vocabulary's size: `size`, or for "auto" `auto_size(counts, coverage, cap)`."""
+    return auto_size(counts, coverage, cap) if size == AUTO else int(size)
+
+
+def mostly_unseen(draft_size: int, distinct: int) -> bool:
+    """More than half of a draft vocabulary of `draft_size` is never a trained token."""
+    return draft_size - distinct > draft_size / 2
+
+
 def count_targets(prepared: Dict[str, Any], target_size: int, first: int, last: int) -> Any:
     """Counts of token ids on loss-masked positions of prepared samples [first, last)."""
     import numpy as np
@@ -70,23 +105,46 @@ def run(plan: RunPlan) -> Outcome:
     data = prepared.load(plan.prepared.folder)
     first, last = plan.split.bounds(data["n"])
     counts = count_targets(data, target_size, first, last)
-    d2t, t2d, filled = build_mapping(counts, plan.draft_vocab_size)
-    if filled:
+    held = count_targets(data, target_size, 0, first)
+    size = chosen_size(counts, plan.draft_vocab_size, plan.draft_vocab_coverage,
+                       plan.draft_vocab_max)
+    d2t, t2d, filled = build_mapping(counts, size)
+    distinct = int((counts > 0).sum())
+    auto = auto_size(counts, plan.draft_vocab_coverage, plan.draft_vocab_max)
+    fixed = plan.draft_vocab_size != AUTO
+    if filled and fixed and mostly_unseen(size, distinct):
+        log.warning("vocab.draft_vocab_size=%d: the training samples show only %d distinct "
+                    "trained tokens, so %d of the %d entries (%.0f%%) are never a trained target "
+                    "(filled with the lowest unused ids); their lm_head rows cost training and "
+                    "serving time. vocab.draft_vocab_size=auto chooses %d here (%.1f%% "
+                    "coverage)", size, distinct, filled, size, 100 * filled / size, auto,
+                    100 * plan.draft_vocab_coverage)
+    elif filled:
         log.warning("only %d distinct trained tokens: filled the draft vocab with the %d lowest "
-                    "unused ids", plan.draft_vocab_size - filled, filled)
+                    "unused ids", distinct, filled)
     covered = int(counts[t2d].sum())
     stats = {"draft_vocab_size": len(d2t), "target_vocab_size": target_size,
-             "distinct_tokens": int((counts > 0).sum()), "filled": filled,
+             "distinct_tokens": distinct, "filled": filled,
              "trained_tokens": int(counts.sum()),
-             "coverage": covered / max(int(counts.sum()), 1), "samples": last - first}
+             "coverage": covered / max(int(counts.sum()), 1), "samples": last - first,
+             "size_rule": "fixed" if fixed else "auto",
+             "auto_size": auto, "auto_coverage": plan.draft_vocab_coverage,
+             "heldout_tokens": int(held.sum()),
+             "heldout_coverage": (int(held[t2d].sum()) / int(held.sum())) if held.sum() else None}
     manifest = artifacts.new_manifest("vocab", plan.config, plan.vocab.fingerprint, stats=stats)
     with artifacts.building(out) as tmp:
         save_file({"d2t": d2t, "t2d": t2d, "counts": counts}, str(Path(tmp) / FILE))
         manifest["files"] = [artifacts.file_entry(Path(tmp) / FILE)]
         manifest["complete"] = True
         artifacts.write_json_atomic(Path(tmp) / artifacts.MANIFEST, manifest)
-    log.info("draft vocab %d of %d tokens covers %.1f%% of trained tokens -> %s",
-             len(d2t), target_size, 100 * stats["coverage"], out)
+    how = ""
+    if not fixed:
+        capped = size == plan.draft_vocab_max and stats["coverage"] < plan.draft_vocab_coverage
+        how = f" (auto: {100 * plan.draft_vocab_coverage:g}% coverage{', capped' if capped else ''})"
+    held_part = (f", {100 * stats['heldout_coverage']:.1f}% of held-out ones"
+                 if stats["heldout_coverage"] is not None else "")
+    log.info("draft vocab %d of %d tokens%s covers %.1f%% of trained tokens%s -> %s",
+             len(d2t), target_size, how, 100 * stats["coverage"], held_part, out)
     return Outcome("vocab", "built", out)
 
 

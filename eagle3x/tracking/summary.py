@@ -85,7 +85,8 @@ def _figures(o: Outcome, out: Path) -> str:
                     f"accept_len {metrics.get('val/accept_len', 0):.2f}")
         if o.kind == "eval":
             e = _read(out / "eval.json")
-            text = f"accepted length {e['mean_accepted_length']:.3f} offline"
+            text = (f"accepted length {e['mean_accepted_length']:.3f} offline "
+                    f"({e.get('measures', 'data')})")
             live = (e.get("live") or {}).get("served") or {}
             if live.get("mean_accepted_length"):
                 text += f", {live['mean_accepted_length']:.3f} in vLLM"

@@ -296,7 +296,7 @@ def test_vllm_serves_the_export_as_an_eagle3_draft_with_identical_greedy_output(
     assert report["mean_accepted_length"] > 1.5
 
 
-LIVE = ["stage=eval", "engine=hf", "eval.live=true", "logger=none",
+LIVE = ["stage=eval", "engine=hf", "eval.live=true", "eval.offline=greedy", "logger=none",
         "engine.dtype=float32"]  # vLLM's "auto" on CPU serves in bfloat16
 
 
@@ -368,6 +368,23 @@ def test_live_eval_records_vllms_counters_and_the_exact_replay_agrees(live_eval,
     summary = json.loads((fast_run.run / "summary.json").read_text())
     assert summary["live_accepted_length"] == served["mean_accepted_length"]
     assert summary["parity_max_rel_error"] == live["parity_max_rel_error"]
+
+
+@pytest.mark.vllm
+def test_the_greedy_offline_estimate_is_vllms_figure_and_says_so(live_eval):
+    """eval.offline=greedy, made without vLLM, lands on vLLM's served figure: the same
+    greedy continuations, rounds replayed as vLLM runs them; the data figure stays beside it."""
+    served = live_eval["live"]["served"]["mean_accepted_length"]
+    assert live_eval["measures"] == "greedy" and live_eval["engine"] == "hf"
+    assert "greedy continuations" in live_eval["measures_what"]
+    assert live_eval["live"]["offline_paths_same_as_served"] >= 0.9
+    assert live_eval["mean_accepted_length"] == pytest.approx(served, rel=0.1)
+    assert live_eval["live"]["offline_estimate_vs_served"] == pytest.approx(
+        live_eval["mean_accepted_length"] / served - 1)
+    assert live_eval["drafts"] > 32 and len(live_eval["acceptance_rate_per_depth"]) == 3
+    data = live_eval["data"]
+    assert data["measures"] == "data" and data["positions"] > 100
+    assert "_served" not in live_eval and "_served" not in live_eval["live"]
 
 
 def reverse_vocabulary_map(draft) -> None:
