@@ -308,13 +308,16 @@ class Optimizers(torch.optim.Optimizer):
 def muon_and_adamw(named: list, t: Dict[str, Any], fused: bool) -> Optimizers:
     """Muon (torch.optim.Muon) for the trained 2-D matrices of the decoder layers and fc,
     AdamW for the rest: lm_head, embeddings, norms (speculators' split,
-    speculators/train/optimizers.py split_named_params_for_muon)."""
+    speculators/train/optimizers.py split_named_params_for_muon). Muon's update is scaled
+    to AdamW's RMS (`adjust_lr_fn="match_rms_adamw"`, speculators' default): one learning
+    rate means the same step size in both. torch's own default ("original") makes an
+    576x1728 matrix's step ~8x smaller at the same lr."""
     matrices = [p for n, p in named if p.ndim == 2 and min(p.shape) > 1
                 and not n.startswith(("lm_head", "embed_tokens"))]
     ids = {id(p) for p in matrices}
     rest = [p for _, p in named if id(p) not in ids]
     opts = [torch.optim.Muon(matrices, lr=t.get("muon_lr") or t["lr"],
-                             weight_decay=t["weight_decay"])]
+                             weight_decay=t["weight_decay"], adjust_lr_fn="match_rms_adamw")]
     if rest:
         opts.append(torch.optim.AdamW(rest, lr=t["lr"], weight_decay=t["weight_decay"],
                                       betas=(0.9, 0.95), fused=fused or None))
