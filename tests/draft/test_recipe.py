@@ -72,13 +72,14 @@ def test_muon_takes_the_layers_matrices_and_adamw_the_rest(tiny_verifier):
     calls = []
     opt.step(lambda: calls.append(1))
     assert calls == [1] and not torch.equal(before, draft.fc.weight)
-    # AdamW-sized: an update's RMS is ~0.2 x lr whatever the matrix's shape (speculators'
-    # match_rms_adamw); torch's default would give 0.044 x lr for a 64 x 512 matrix
+    # AdamW-sized: an update's RMS is ~0.2 x lr (Newton-Schulz's inexact orthogonalisation
+    # gives 0.16 here) whatever the matrix's shape (speculators' match_rms_adamw); torch's
+    # default would give 0.044 x lr for a 64 x 512 matrix
     wide = torch.nn.Parameter(torch.zeros(64, 512))
     muon = muon_and_adamw([("fc.weight", wide)], {"lr": 0.02, "weight_decay": 0.0}, False)
     wide.grad = torch.randn_like(wide)
     muon.step()
-    assert float(wide.detach().pow(2).mean().sqrt()) == pytest.approx(0.2 * 0.02, rel=0.15)
+    assert float(wide.detach().pow(2).mean().sqrt()) == pytest.approx(0.2 * 0.02, rel=0.3)
     again = muon_and_adamw(named, {"lr": 1e-3, "muon_lr": 0.02, "weight_decay": 0.0}, False)
     again.load_state_dict(opt.state_dict())
     assert isinstance(again, Optimizers) and len(again.state) == len(opt.state) > 0
