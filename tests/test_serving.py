@@ -144,3 +144,32 @@ def test_vllm_v2_ignores_a_nested_only_export(tiny_verifier, tmp_path):
     (draft / "config.json").write_text(json.dumps(cfg))
     resolved = resolve_with_vllm(tiny_verifier, draft)
     assert resolved["v2"] is None and resolved["v1"] == (1, 4, 6)
+
+
+# -- SGLang's model registry, pinned from sglang 0.5.23 -------------------------------------
+#: srt/models/registry.py keys its models by the class names in each module's EntryClass;
+#: srt/models/llama_eagle3.py's EAGLE-3 Llama draft is LlamaForCausalLMEagle3 (no other
+#: name of it is registered).
+SGLANG_EAGLE3_LLAMA = {"LlamaForCausalLMEagle3"}
+
+
+@pytest.mark.parametrize("option,value", [(None, None), ("norm_before_fc", True),
+                                          ("fc_norm", True), ("norm_before_residual", True),
+                                          ("norm_output", True), ("num_layers", 2),
+                                          ("sliding_window", 64)])
+def test_a_draft_sglang_would_compute_otherwise_is_named_so_sglang_refuses_it(option, value):
+    """Every export loads in vLLM (its registry, read from the installed package, maps
+    both names to llama_eagle3's Eagle3LlamaForCausalLM); only a draft SGLang computes as
+    trained carries the name SGLang's registry holds."""
+    import dataclasses
+
+    from eagle3x.draft.model import DraftShape
+    from eagle3x.draft.save import vllm_only
+
+    shape = DraftShape(128, 128, 256, 4, 1, 32, 256, 1024)
+    if option:
+        shape = dataclasses.replace(shape, **{option: value})
+    [arch] = draft_config(shape, [0, 3, 5], torch.bfloat16, LLAMA)["architectures"]
+    assert (arch in SGLANG_EAGLE3_LLAMA) == (option is None) == (not vllm_only(shape))
+    registry = pytest.importorskip("vllm.model_executor.models.registry")
+    assert registry._SPECULATIVE_DECODING_MODELS[arch] == ("llama_eagle3", "Eagle3LlamaForCausalLM")

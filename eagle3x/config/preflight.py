@@ -802,8 +802,10 @@ def notices(cfg: Eagle3xConfig, runs: Sequence[str]) -> List[str]:
                    "set_embed), so under SGLang this draft runs with embeddings it was not "
                    "trained with.")
     d = cfg.draft
+    # options a user added beyond the default that SGLang cannot serve (the default's
+    # norms are named in the export, which SGLang then refuses to load: draft.save)
     set_ = [f"draft.{k}={'true' if v is True else v}" for k, v in d.options().items()
-            if v != getattr(type(d)(), k)]
+            if v != getattr(type(d)(), k) and v not in (False, None, 1)]
     if set_ and ({"train", "export"} & set(runs)):
         # sglang/srt/models/llama_eagle3.py: LlamaModel reads none of the norm keys, and
         # its BasicDecoderLayer (layers after the first) restarts the residual stream from

@@ -250,7 +250,8 @@ class DraftModule(L.LightningModule):
         else:
             opt = torch.optim.AdamW(params, lr=t["lr"], weight_decay=t["weight_decay"],
                                     betas=(0.9, 0.95), fused=fused or None)
-        warmup, total = t["warmup_steps"], max(self.hparams.max_steps, 1)
+        total = max(self.hparams.max_steps, 1)
+        warmup = t["warmup_steps"] if t.get("warmup_steps") is not None else max(1, round(total / 100))
         schedule, floor = t.get("schedule", "cosine"), t.get("min_lr_ratio", 0.1)
 
         def factor(step: int) -> float:

@@ -111,6 +111,30 @@ def test_the_schedule_warms_up_then_ends_where_it_says(tiny_verifier, schedule, 
     assert all(a >= b - 1e-12 for a, b in zip(lrs[4:], lrs[5:]))  # never up after warmup
 
 
+@pytest.mark.parametrize("max_steps,warmup", [(300, 3), (20, 1)])
+def test_the_default_warmup_is_one_percent_of_the_steps(tiny_verifier, max_steps, warmup):
+    import dataclasses
+
+    from eagle3x.config.schema import TrainConfig
+    from eagle3x.draft.module import DraftModule
+    from eagle3x.stages.train import plain
+
+    assert TrainConfig().warmup_steps is None
+    shape = dict(hidden_size=128, target_hidden_size=128, intermediate_size=64, num_heads=2,
+                 num_kv_heads=2, head_dim=64, draft_vocab_size=16, target_vocab_size=1024)
+    m = DraftModule(shape=shape, train=plain(dataclasses.asdict(TrainConfig(lr=1.0))),
+                    verifier=str(tiny_verifier), tied_head=False, aux_layer_ids=[1, 3, 4],
+                    max_steps=max_steps)
+    cfg = m.configure_optimizers()
+    sched = cfg["lr_scheduler"]["scheduler"]
+    lrs = []
+    for _ in range(warmup + 1):
+        lrs.append(sched.get_last_lr()[0])
+        sched.step()
+    assert lrs[:warmup] == pytest.approx([(i + 1) / warmup for i in range(warmup)])
+    assert lrs[warmup] == pytest.approx(1.0)  # the schedule starts at its top
+
+
 def test_a_frozen_lm_head_gets_no_gradient(tiny_verifier):
     import dataclasses
 

@@ -106,7 +106,7 @@ def test_export_has_the_layout_vllm_reads(fast_run):
     assert r.returncode == 0, r.stderr[-3000:]
     draft = stage_output(r, "train")
     cfg = json.loads((draft / "config.json").read_text())
-    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]  # the tiny experiment: draft=sglang
     assert cfg["draft_vocab_size"] == 256 and cfg["vocab_size"] == 1024
     assert cfg["target_hidden_size"] == cfg["hidden_size"] == 128
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 4, 6]  # vLLM: ours + 1
