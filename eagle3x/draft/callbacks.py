@@ -26,7 +26,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 import lightning as L
 
@@ -41,22 +41,17 @@ class ProgressLines(L.Callback):
 
     def __init__(self, every: float, to_console: bool):
         self.every, self.extra = every, None if to_console else console.LOG_ONLY
-        self.tokens: List[Any] = []  # this rank's batch lengths, summed when printed
-        self.counted = 0
+        self.counted = 0  # this rank's real tokens, from the loader's host-side count
 
     def on_train_start(self, trainer: Any, module: Any) -> None:
         self.t0 = self.last = time.perf_counter()
         self.step0 = trainer.global_step
-        self.tokens, self.counted = [], 0
+        self.counted = 0
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if not isinstance(batch, dict) or not trainer.is_global_zero:
-            return
-        if "n_tokens" in batch:  # the loader's host-side count: no device read
-            self.counted += int(batch["n_tokens"])
-        elif batch.get("lengths") is not None:
-            self.tokens.append(batch["lengths"].detach())
+        if isinstance(batch, dict) and trainer.is_global_zero:
+            self.counted += int(batch.get("n_tokens", 0))  # no device read
 
     def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
         # callback_metrics hold the step just finished (Lightning updates them after the
@@ -72,11 +67,6 @@ class ProgressLines(L.Callback):
             self._line(trainer, time.perf_counter())
 
     def _line(self, trainer: Any, now: float) -> None:
-        if self.tokens:
-            import torch
-
-            self.counted += int(torch.stack([t.sum() for t in self.tokens]).sum())
-            self.tokens = []
         m = trainer.callback_metrics
         step, total = trainer.global_step, trainer.max_steps
         took, done = now - self.t0, trainer.global_step - self.step0

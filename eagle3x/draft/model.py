@@ -293,10 +293,6 @@ class MidLayer(_Layer):
         h = self.self_attn(x, positions, cache, docs, cu_seqlens) + residual
         return self._mlp_out(h), h
 
-    def forward(self, embeds, hidden, positions, cache, docs=None, cu_seqlens=None):
-        out, residual = self.split(embeds, hidden, positions, cache, docs, cu_seqlens)
-        return out + residual
-
 
 class DecoderLayer(_Layer):
     """A later decoder layer: a plain Llama layer over the residual stream (H in)."""

@@ -214,7 +214,7 @@ class DraftModule(L.LightningModule):
                 + (f"{key} to {saved} / (processes x accumulate_grad_batches)."
                    if saved_unit == unit else
                    f"train.max_tokens as the checkpoint's run did ({saved_unit}-sized batches)."))
-        threads = (checkpoint.get("eagle3x") or {}).get("threads")
+        threads = saved_info.get("threads")
         if threads and threads != torch.get_num_threads():
             import logging
 
@@ -225,7 +225,7 @@ class DraftModule(L.LightningModule):
                 threads, torch.get_num_threads())
         # Frozen parameters left out of the checkpoint come back from the verifier, which
         # must still hold what the run started from.
-        recorded = (checkpoint.get("eagle3x") or {}).get("frozen") or {}
+        recorded = saved_info.get("frozen") or {}
         state = checkpoint.setdefault("state_dict", {})
         mine = dict(self.named_parameters())
         for name, digest in recorded.items():
@@ -248,8 +248,7 @@ class DraftModule(L.LightningModule):
         if t.get("optimizer", "adamw") == "muon":
             opt = muon_and_adamw(named, t, fused)
         else:
-            opt = torch.optim.AdamW(params, lr=t["lr"], weight_decay=t["weight_decay"],
-                                    betas=(0.9, 0.95), fused=fused or None)
+            opt = adamw(params, t, fused)
         total = max(self.hparams.max_steps, 1)
         warmup = t["warmup_steps"] if t.get("warmup_steps") is not None else max(1, round(total / 100))
         schedule, floor = t.get("schedule", "cosine"), t.get("min_lr_ratio", 0.1)
@@ -320,6 +319,11 @@ def muon_and_adamw(named: list, t: Dict[str, Any], fused: bool) -> Optimizers:
     opts = [torch.optim.Muon(matrices, lr=t.get("muon_lr") or t["lr"],
                              weight_decay=t["weight_decay"], adjust_lr_fn="match_rms_adamw")]
     if rest:
-        opts.append(torch.optim.AdamW(rest, lr=t["lr"], weight_decay=t["weight_decay"],
-                                      betas=(0.9, 0.95), fused=fused or None))
+        opts.append(adamw(rest, t, fused))
     return Optimizers(opts)
+
+
+def adamw(params: list, t: Dict[str, Any], fused: bool) -> torch.optim.AdamW:
+    """AdamW at train.lr with betas (0.9, 0.95); the fused CUDA kernel when `fused`."""
+    return torch.optim.AdamW(params, lr=t["lr"], weight_decay=t["weight_decay"],
+                             betas=(0.9, 0.95), fused=fused or None)

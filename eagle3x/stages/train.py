@@ -24,8 +24,8 @@ from typing import Any, Dict, Optional
 from eagle3x import artifacts, console, distributed
 from eagle3x.artifacts import Outcome
 from eagle3x.config.schema import (DraftConfig, EngineConfig, ExtractConfig, HiddenConfig,
-                                   HiddenSource,
-                                   LoggerConfig, LoggerName, TrainConfig, TrainerConfig)
+                                   HiddenSource, LoggerConfig, LoggerName, TrainConfig,
+                                   TrainerConfig)
 from eagle3x.draft.shape import draft_shape
 from eagle3x.plan import RunPlan
 
@@ -138,8 +138,6 @@ def make_trainer(t: TrainerConfig, out: Path, logger: Any, keep: int = 3,
     callbacks = [ModelCheckpoint(dirpath=str(out / "checkpoints"), filename="step{step:06d}",
                                  auto_insert_metric_name=False, monitor="step", mode="max",
                                  every_n_train_steps=every, save_last=True, save_top_k=keep)]
-    callbacks.append(throughput_callback(skip=min(5, max(t.max_steps // 4, 0))
-                                         if t.max_steps > 0 else 5))
     if logger:
         callbacks.append(LearningRateMonitor(logging_interval="step"))
     bar = t.enable_progress_bar and console.is_terminal()
@@ -228,6 +226,8 @@ def run(plan: RunPlan, train: TrainConfig, trainer: TrainerConfig, logger: Logge
     preemption = Preemption(out / "checkpoints" / "last.ckpt")
     preemption.install()
     ranks = RankFailures(out)
+    speed = throughput_callback(skip=min(5, max(trainer.max_steps // 4, 0))
+                                if trainer.max_steps > 0 else 5)
     pin_threads()
     L.seed_everything(train.seed, workers=True, verbose=False)
     module = build_module(plan, train, trainer.max_steps, draft.options())
@@ -237,7 +237,7 @@ def run(plan: RunPlan, train: TrainConfig, trainer: TrainerConfig, logger: Logge
     exp_logger = make_logger(logger, out, plan.config)
     fitter = make_trainer(trainer, out, exp_logger, keep=train.keep_checkpoints,
                           progress_seconds=train.progress_seconds,
-                          extra=[preemption, ranks])
+                          extra=[preemption, ranks, speed])
     ckpt = plan.resume.training_checkpoint(out)
     if ckpt is not None and plan.resume.mode == "auto":
         log.info("resuming from %s", ckpt)
@@ -286,10 +286,8 @@ def run(plan: RunPlan, train: TrainConfig, trainer: TrainerConfig, logger: Logge
         log.info("online hidden states: the trainer waited %.1fs of %.1fs (%.0f%%) for the "
                  "engine (%.1fs computing, %.1fs to start)", st["wait_s"], wall,
                  100 * st["wait_s"] / max(wall, 1e-9), st["compute_s"], st["engine_load_s"])
-    speed = next((cb.result() for cb in fitter.callbacks if hasattr(cb, "result")
-                  and type(cb).__name__ == "Throughput"), {})
-    if speed:
-        summary["throughput"] = speed
+    if speed.result():
+        summary["throughput"] = speed.result()
     if exp_logger and logger.name is LoggerName.wandb:
         summary["wandb_run_id"] = exp_logger.experiment.id
     artifacts.write_json_atomic(out / "train_summary.json", summary)
