@@ -12,6 +12,13 @@ import pytest
 
 from tests.helpers import Cli
 
+# vLLM's CPU build sizes its KV cache from engine.gpu_memory_utilization: GiBs to allocate and
+# a warm-up pass at every engine start (20-100 s here). The tests' tiny verifiers need
+# little; 1 GiB given explicitly also skips the warm-up of eager engines
+# (vllm/v1/worker/cpu_worker.py, `_should_warm_up_model`). Engines started by the tests'
+# subprocesses inherit it.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
 
 def _cache_dir(tmp_path_factory) -> Path:
     given = os.environ.get("EAGLE3X_CACHE")

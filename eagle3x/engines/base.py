@@ -43,9 +43,13 @@ class EngineFailed(RuntimeError):
 def failing_as(engine: str, during: str, offset: int,
                rpc_timeout: Optional[int] = None) -> Iterator[None]:
     """Any error of the engine in the block becomes `EngineFailed` (the original as its
-    __cause__); KeyboardInterrupt and SystemExit pass."""
+    __cause__); KeyboardInterrupt and SystemExit pass. A vLLM block runs on a `lifeline`:
+    were an engine process to die while it waits, the wait ends (`EngineDied`)."""
+    from eagle3x.engines.lifeline import lifeline
+
     try:
-        yield
+        with (lifeline() if engine == "vllm" else contextlib.nullcontext()):
+            yield
     except EngineFailed:
         raise
     except Exception as exc:

@@ -201,6 +201,8 @@ _CAUSES: Tuple[Tuple[str, str], ...] = (
     # vllm/v1/engine/utils.py / core_client.py, the engine core monitor
     (r"Engine core proc(?:ess)? (\S+) died unexpectedly",
      "vLLM's engine process {0} died"),
+    # eagle3x/engines/lifeline.py: a process gone while the main process waited for it
+    (r"vLLM's process (\S+) \(pid \d+\) died", "vLLM's process {0} died"),
 )
 
 

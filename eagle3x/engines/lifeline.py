@@ -1,0 +1,129 @@
+"""A wait on vLLM's engine processes that ends when they die.
+
+vLLM 0.32's synchronous client waits for the answer to a utility call on a future with no
+timeout (vllm/v1/engine/core_client.py, ``SyncMPClient.call_utility``): ``LLM.collective_rpc``
+and the calls ``vllm.LLM`` makes once its engine is up. When the engine process dies before
+it answers (its worker killed: the engine core sends ENGINE_CORE_DEAD and exits), the client
+marks itself dead, but nothing fails that future: the main process waits forever, silent.
+Calls that read the output queue (``generate``) do fail, with EngineDeadError.
+
+``lifeline()`` guards a block of the main thread. A watcher thread looks every `poll`
+seconds at the processes vLLM names ``VLLM::...`` (its engine core and workers set that
+process title) under this process. Once one that it saw running is gone or a zombie and the block
+still runs `grace` seconds later (vLLM's own error path had its chance), the main thread
+gets ``EngineDied`` naming that process: a signal (``SIGNAL``) interrupts its wait and the
+handler raises there. Outside the main thread, or inside another lifeline, the block runs
+unguarded. The handler stays installed once set, and raises only for a lifeline whose block
+is still running, so a signal that arrives late is ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+#: the signal that wakes the main thread (a real-time one: nothing else here sends it)
+SIGNAL = signal.SIGRTMIN + 1 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
+PREFIX = "VLLM::"
+#: seconds between looks at the processes; seconds a death may go unanswered by vLLM itself
+POLL, GRACE = 0.5, 10.0
+
+
+class EngineDied(RuntimeError):
+    """An engine process died while the main thread waited for it."""
+
+
+def vllm_processes() -> List[Tuple[int, str, Callable[[], bool]]]:
+    """(pid, title, alive) for each process under this one whose title starts with VLLM::."""
+    import psutil
+
+    out = []
+    try:
+        kids = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return out
+    for p in kids:
+        try:
+            title = " ".join(p.cmdline()) or p.name()
+        except psutil.Error:
+            continue
+        if title.startswith(PREFIX):
+            out.append((p.pid, title.split()[0], lambda p=p: _running(p)))
+    return out
+
+
+def _running(p) -> bool:
+    import psutil
+
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+class _Line:
+    def __init__(self) -> None:
+        self.done = False
+        self.pending: Optional[str] = None
+
+
+_current: Optional[_Line] = None
+_installed = False
+
+
+def _handler(signum, frame) -> None:
+    line = _current
+    if line is not None and line.pending and not line.done:
+        reason, line.pending = line.pending, None
+        raise EngineDied(reason)
+
+
+@contextlib.contextmanager
+def lifeline(processes: Optional[Callable[[], List[Tuple[int, str, Callable[[], bool]]]]] = None,
+             poll: Optional[float] = None, grace: Optional[float] = None) -> Iterator[None]:
+    """Run the block; `EngineDied` in it once a process `processes()` listed (default:
+    `vllm_processes`) has died and `grace` seconds (GRACE) have passed, looking every `poll`
+    seconds (POLL); see the module's docstring."""
+    global _current, _installed
+    processes = processes or vllm_processes
+    poll = POLL if poll is None else poll
+    grace = GRACE if grace is None else grace
+    main = threading.main_thread()
+    if threading.current_thread() is not main or _current is not None:
+        yield
+        return
+    if not _installed:
+        signal.signal(SIGNAL, _handler)
+        _installed = True
+    line, stop = _Line(), threading.Event()
+
+    def watch() -> None:
+        seen: Dict[int, Tuple[str, Callable[[], bool]]] = {}
+        dead_since, reason = None, ""
+        while not stop.wait(poll):
+            for pid, title, alive in processes():
+                if pid not in seen and alive():  # one already gone belongs to an engine closed
+                    seen[pid] = (title, alive)
+            if dead_since is None:
+                gone = [(pid, title) for pid, (title, alive) in seen.items() if not alive()]
+                if gone:
+                    dead_since = time.monotonic()
+                    reason = (f"vLLM's process {gone[0][1]} (pid {gone[0][0]}) died while "
+                              "the engine was working")
+            elif time.monotonic() - dead_since >= grace and not line.done:
+                line.pending = reason
+                signal.pthread_kill(main.ident, SIGNAL)
+                return
+
+    _current = line
+    thread = threading.Thread(target=watch, name="eagle3x-engine-lifeline", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        line.done = True
+        _current = None
+        stop.set()
