@@ -6,7 +6,9 @@ Each mode is one `python -m eagle3x stage=extract` on 16 samples (a fresh artifa
 the verifier's own chat template) whose engine start is read from its console line
 "engine vllm ready in Xs (phase Ys, ...)" (eagle3x.engines.watch.StartWatch, which reads
 vLLM's log). compile-cold gives vLLM an empty compile cache (VLLM_CACHE_ROOT), compile-warm
-the cache the cold run filled; eager is engine.enforce_eager=true. Prints one json object.
+the cache the cold run filled; eager is engine.enforce_eager=true; eager-kv1 is eager with
+a KV cache of 1 GiB given explicitly (VLLM_CPU_KVCACHE_SPACE=1, vLLM's CPU build) in place
+of the share engine.gpu_memory_utilization=0.25 sizes. Prints one json object.
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ import time
 from pathlib import Path
 
 
-def start(verifier: str, root: Path, cache: Path, eager: bool) -> dict:
+def start(verifier: str, root: Path, cache: Path, eager: bool, kv_gib: int = 0) -> dict:
     env = dict(os.environ, EAGLE3X_ARTIFACTS=str(root / f"art-{time.time_ns()}"),
                VLLM_CACHE_ROOT=str(cache))
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    if kv_gib:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
     data = ["data.num_samples=8", "data.holdout_samples=8", "extract.max_seq_len=512"]
     if verifier != "tiny":
         data += ["verifier=local", f"verifier.path={verifier}"]
@@ -60,7 +65,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root, cache = Path(tmp), Path(tmp) / "vllm-cache"
         for mode in a.modes.split(","):
-            out[mode] = start(a.verifier, root, cache, eager=(mode == "eager"))
+            out[mode] = start(a.verifier, root, cache, eager=mode.startswith("eager"),
+                              kv_gib=1 if mode == "eager-kv1" else 0)
             print(mode, out[mode]["ready_seconds"], file=sys.stderr, flush=True)
     print(json.dumps(out, indent=1))
 
