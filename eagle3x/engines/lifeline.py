@@ -7,9 +7,9 @@ it answers (its worker killed: the engine core sends ENGINE_CORE_DEAD and exits)
 marks itself dead, but nothing fails that future: the main process waits forever, silent.
 Calls that read the output queue (``generate``) do fail, with EngineDeadError.
 
-``lifeline()`` guards a block of the main thread. A watcher thread looks every `poll`
-seconds at the processes vLLM names ``VLLM::...`` (its engine core and workers set that
-process title) under this process. Once one that it saw running is gone or a zombie and the block
+``lifeline()`` guards a block of the main thread. It lists the processes vLLM names
+``VLLM::...`` (its engine core and workers set that process title) under this process as
+the block starts, and a watcher thread looks again every `poll` seconds. Once one that it saw running is gone or a zombie and the block
 still runs `grace` seconds later (vLLM's own error path had its chance), the main thread
 gets ``EngineDied`` naming that process: a signal (``SIGNAL``) interrupts its wait and the
 handler raises there. Outside the main thread, or inside another lifeline, the block runs
@@ -37,8 +37,12 @@ class EngineDied(RuntimeError):
 
 
 def vllm_processes() -> List[Tuple[int, str, Callable[[], bool]]]:
-    """(pid, title, alive) for each process under this one whose title starts with VLLM::."""
-    import psutil
+    """(pid, title, alive) for each process under this one whose title starts with VLLM::
+    (none without psutil, which vLLM itself requires)."""
+    try:
+        import psutil
+    except ImportError:
+        return []
 
     out = []
     try:
@@ -71,13 +75,14 @@ class _Line:
 
 
 _current: Optional[_Line] = None
-_installed = False
 
 
 def _handler(signum, frame) -> None:
+    global _current
     line = _current
     if line is not None and line.pending and not line.done:
         reason, line.pending = line.pending, None
+        line.done, _current = True, None  # raised before the block's own exit ran, if so
         raise EngineDied(reason)
 
 
@@ -87,7 +92,7 @@ def lifeline(processes: Optional[Callable[[], List[Tuple[int, str, Callable[[], 
     """Run the block; `EngineDied` in it once a process `processes()` listed (default:
     `vllm_processes`) has died and `grace` seconds (GRACE) have passed, looking every `poll`
     seconds (POLL); see the module's docstring."""
-    global _current, _installed
+    global _current
     processes = processes or vllm_processes
     poll = POLL if poll is None else poll
     grace = GRACE if grace is None else grace
@@ -95,18 +100,20 @@ def lifeline(processes: Optional[Callable[[], List[Tuple[int, str, Callable[[], 
     if threading.current_thread() is not main or _current is not None:
         yield
         return
-    if not _installed:
+    if signal.getsignal(SIGNAL) is not _handler:
         signal.signal(SIGNAL, _handler)
-        _installed = True
     line, stop = _Line(), threading.Event()
+    seen: Dict[int, Tuple[str, Callable[[], bool]]] = {}
+
+    def look() -> None:
+        for pid, title, alive in processes():
+            if pid not in seen and alive():  # one already gone belongs to an engine closed
+                seen[pid] = (title, alive)
 
     def watch() -> None:
-        seen: Dict[int, Tuple[str, Callable[[], bool]]] = {}
         dead_since, reason = None, ""
         while not stop.wait(poll):
-            for pid, title, alive in processes():
-                if pid not in seen and alive():  # one already gone belongs to an engine closed
-                    seen[pid] = (title, alive)
+            look()
             if dead_since is None:
                 gone = [(pid, title) for pid, (title, alive) in seen.items() if not alive()]
                 if gone:
@@ -118,6 +125,7 @@ def lifeline(processes: Optional[Callable[[], List[Tuple[int, str, Callable[[], 
                 signal.pthread_kill(main.ident, SIGNAL)
                 return
 
+    look()  # here, not a poll later: a worker that fails the block's first call dies at once
     _current = line
     thread = threading.Thread(target=watch, name="eagle3x-engine-lifeline", daemon=True)
     thread.start()

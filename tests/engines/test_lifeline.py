@@ -74,13 +74,27 @@ def test_a_process_already_gone_when_the_block_starts_is_an_engine_closed_before
         old.wait()
 
 
+def test_a_death_before_the_first_poll_is_caught():
+    """The processes are listed as the block starts: a worker that dies on the block's
+    first call, before the watcher's first look, is seen."""
+    proc = child()
+    try:
+        time.sleep(0.2)
+        with pytest.raises(EngineDied):
+            with lifeline(watching(proc), poll=0.5, grace=0.2):
+                proc.kill()
+                Future().result(timeout=20)
+    finally:
+        proc.wait()
+
+
 def test_vllms_own_error_within_the_grace_comes_through_unchanged():
     proc = child()
     try:
-        proc.kill()
         with pytest.raises(ValueError, match="vLLM raised first"):
             with lifeline(watching(proc), poll=0.05, grace=5.0):
-                time.sleep(0.3)
+                proc.kill()
+                time.sleep(0.5)  # the death is seen; the grace has not passed
                 raise ValueError("vLLM raised first")
     finally:
         proc.wait()
@@ -92,14 +106,15 @@ def test_outside_the_main_thread_the_block_runs_unguarded():
 
     def work():
         with lifeline(watching(proc), poll=0.05, grace=0.1):
-            time.sleep(0.5)
+            proc.kill()
+            time.sleep(0.8)  # the death and the grace pass; nothing is raised anywhere
         got.append("ended")
 
     try:
-        proc.kill()
         t = threading.Thread(target=work)
         t.start()
         t.join(10)
+        time.sleep(0.3)
         assert got == ["ended"]
     finally:
         proc.wait()
