@@ -69,8 +69,10 @@ def _running(p) -> bool:
 
 
 class _Line:
+    """One guarded block; `pending` is the death its watcher reports. The block runs while
+    it is `_current`."""
+
     def __init__(self) -> None:
-        self.done = False
         self.pending: Optional[str] = None
 
 
@@ -80,9 +82,8 @@ _current: Optional[_Line] = None
 def _handler(signum, frame) -> None:
     global _current
     line = _current
-    if line is not None and line.pending and not line.done:
-        reason, line.pending = line.pending, None
-        line.done, _current = True, None  # raised before the block's own exit ran, if so
+    if line is not None and line.pending:
+        reason, line.pending, _current = line.pending, None, None  # (the block's exit may not run)
         raise EngineDied(reason)
 
 
@@ -120,7 +121,7 @@ def lifeline(processes: Optional[Callable[[], List[Tuple[int, str, Callable[[], 
                     dead_since = time.monotonic()
                     reason = (f"vLLM's process {gone[0][1]} (pid {gone[0][0]}) died while "
                               "the engine was working")
-            elif time.monotonic() - dead_since >= grace and not line.done:
+            elif time.monotonic() - dead_since >= grace and _current is line:
                 line.pending = reason
                 signal.pthread_kill(main.ident, SIGNAL)
                 return
@@ -132,6 +133,6 @@ def lifeline(processes: Optional[Callable[[], List[Tuple[int, str, Callable[[], 
     try:
         yield
     finally:
-        line.done = True
-        _current = None
+        if _current is line:
+            _current = None
         stop.set()

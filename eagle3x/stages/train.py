@@ -286,8 +286,9 @@ def run(plan: RunPlan, train: TrainConfig, trainer: TrainerConfig, logger: Logge
         log.info("online hidden states: the trainer waited %.1fs of %.1fs (%.0f%%) for the "
                  "engine (%.1fs computing, %.1fs to start)", st["wait_s"], wall,
                  100 * st["wait_s"] / max(wall, 1e-9), st["compute_s"], st["engine_load_s"])
-    if speed.result():
-        summary["throughput"] = speed.result()
+    throughput = speed.result()
+    if throughput:
+        summary["throughput"] = throughput
     if exp_logger and logger.name is LoggerName.wandb:
         summary["wandb_run_id"] = exp_logger.experiment.id
     artifacts.write_json_atomic(out / "train_summary.json", summary)
