@@ -6,8 +6,10 @@
                    in the log file only. The metrics are read when a line is printed: no
                    device sync at the other steps.
 ``Preemption``     SIGTERM or SIGINT (SLURM sends SIGTERM before it kills a job) ends
-                   training at the end of the step under way: every rank agrees on the
-                   step (one all-reduce per step on several processes), a checkpoint is
+                   training at the end of a step: every rank agrees on the step (on
+                   several processes a host-side all-reduce of the stop flag is started
+                   each step and read the step after, so no step waits on it and the
+                   stop comes one step later), a checkpoint is
                    written to ``last.ckpt`` where the step checkpoints would save it (on
                    train batch end, so the resumed run continues at the next step with the
                    same batches), and ``failures.Stopped`` is raised (status 128 + signal).
@@ -94,6 +96,8 @@ class Preemption(L.Callback):
         self.signal: Optional[int] = None
         self.saved_step: Optional[int] = None
         self._old: dict = {}
+        self._group: Any = None  # the gloo group of the stop flag (several processes)
+        self._pending: Any = None  # (work, flag) of the all-reduce started a step ago
 
     def install(self) -> None:
         """Own SIGTERM/SIGINT from here until `restore` (the main thread only). Called
@@ -120,17 +124,57 @@ class Preemption(L.Callback):
 
     def on_train_start(self, trainer: Any, module: Any) -> None:
         self.install()
-        if self._agreed(trainer):  # asked to stop before the first step: nothing new to save
+        self._pending = self._group = None
+        if trainer.world_size > 1:
+            import torch.distributed as dist
+
+            # A gloo group of its own: the flag is a CPU tensor, so neither its all-reduce
+            # nor reading it touches the accelerator's stream (NCCL would sync the host).
+            self._group = dist.new_group(backend="gloo")
+        if self._agreed_now(trainer):  # asked to stop before the first step: nothing to save
             raise Stopped(f"stopped by {signal_name(self.signal or signal.SIGTERM)} before "
                           f"training step {trainer.global_step + 1}",
                           signal_exit(self.signal or signal.SIGTERM))
 
-    def _agreed(self, trainer: Any) -> bool:
-        """Whether any rank was asked to stop (one all-reduce on several processes)."""
+    def _agreed_now(self, trainer: Any) -> bool:
+        """Whether any rank was asked to stop, waiting for the answer (once, before the
+        first step)."""
         mine = self.signal is not None
-        if trainer.world_size > 1:
-            return bool(trainer.strategy.reduce_boolean_decision(mine, all=False))
-        return mine
+        if self._group is None:
+            return mine
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(mine)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(flag.item())
+
+    def _agreed(self, trainer: Any) -> bool:
+        """Whether any rank had been asked to stop by the previous step's end. Each rank
+        starts one all-reduce of its flag per step (the same sequence on every rank) and
+        reads the one it started a step ago, which has long finished: every rank reads
+        the same value at the same step, and no step waits on the others' answer."""
+        mine = self.signal is not None
+        if self._group is None:
+            return mine
+        import torch
+        import torch.distributed as dist
+
+        agreed = False
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            agreed = bool(flag.item())
+        flag = torch.tensor([int(mine)], dtype=torch.int32)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group,
+                                         async_op=True), flag)
+        return agreed
+
+    def _settle(self) -> None:
+        """Wait for the last all-reduce started (every rank started it)."""
+        pending, self._pending = getattr(self, "_pending", None), None
+        if pending is not None:
+            pending[0].wait()
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -141,11 +185,15 @@ class Preemption(L.Callback):
         if not self._agreed(trainer):
             return
         signum = self.signal or signal.SIGTERM  # another rank's signal
+        self._settle()
         trainer.save_checkpoint(str(self.checkpoint))
         self.saved_step = trainer.global_step
         raise Stopped(f"stopped by {signal_name(signum)} after step {trainer.global_step}",
                       signal_exit(signum),
                       kept=f"checkpoint at step {trainer.global_step} ({self.checkpoint})")
+
+    def on_train_end(self, trainer: Any, module: Any) -> None:
+        self._settle()
 
     def on_exception(self, trainer: Any, module: Any, exception: BaseException) -> None:
         self.restore()
