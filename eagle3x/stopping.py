@@ -35,7 +35,7 @@ def reportable(exc: BaseException) -> bool:
     """A stop `run` reports in one line: `Stopped`, an engine's death anywhere in the
     chain, or any error of a training rank after another rank failed."""
     from eagle3x import distributed
-    from eagle3x.engines.base import EngineFailed
+    from eagle3x.engines.errors import EngineFailed
     from eagle3x.failures import Stopped
 
     return (any(isinstance(e, (Stopped, EngineFailed)) for e in _chain(exc))
@@ -47,7 +47,7 @@ def stop_report(exc: BaseException, stage: Optional[str], plan: Optional[RunPlan
     """(the console line, the exit status) for a stop: "<stage> stopped: <why>; kept:
     <what>; continue with: python -m eagle3x ..."."""
     from eagle3x import distributed
-    from eagle3x.engines.base import EngineFailed
+    from eagle3x.engines.errors import EngineFailed
     from eagle3x.failures import Stopped
 
     chain = _chain(exc)
