@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, TYPE_CHECKING, Tuple
 
 from eagle3x.artifacts import Outcome
 from eagle3x.config import preflight
@@ -29,6 +29,9 @@ from eagle3x.config.schema import (EngineName, Eagle3xConfig, HiddenSource, Offl
                                    Responses, Stage)
 from eagle3x.plan import RunPlan, resolve
 from eagle3x.stages import evaluate, export, extract, prepare, regenerate, serve, train, vocab
+
+if TYPE_CHECKING:
+    from eagle3x.job import Job
 
 log = logging.getLogger("eagle3x")
 
@@ -173,7 +176,7 @@ def run(cfg: Any) -> Optional[str]:
     """Hydra's job: run cfg.stage; known errors end the process with one line and status 1.
 
     A stage that stops early (``failures.Stopped``: a signal, a failed rank) or whose
-    engine dies (``engines.base.EngineFailed``, also as the cause of another error) ends
+    engine dies (``engines.errors.EngineFailed``, also as the cause of another error) ends
     with one console line: what stopped and why (read from the engine's log), what is
     kept, the command that continues; the traceback goes to the job's log file."""
     from eagle3x import artifacts, console, distributed, failures
@@ -182,18 +185,21 @@ def run(cfg: Any) -> Optional[str]:
     from eagle3x.data.conversations import DataError
     from eagle3x.data.online import HiddenSourceError
 
+    from eagle3x.job import Job
+    from eagle3x.stopping import reportable, stop_report
+
     settings = typed(cfg)
+    job = Job.current()  # read once: the ranks and the stop report get this one
     seconds: Dict[str, float] = {}
     started: List[str] = []
-    loud = settings.log.libraries or _hydra_verbose()
-    _share_job_with_ranks()
+    loud = settings.log.libraries or job.verbose
+    _share_job_with_ranks(job)
     plan: Optional[RunPlan] = None
-
-    from eagle3x.stopping import reportable, stop_report
+    runs = tuple(s.name for s in stages_for(settings.stage, settings))
 
     def reporter(exc: BaseException, stage: Optional[str] = None) -> int:
         line, code = stop_report(exc, stage or (started[-1] if started else None), plan,
-                                 settings)
+                                 settings, job, runs)
         log.error("%s", line, exc_info=exc if exc.__traceback__ else None,
                   extra=console.LOG_ONLY)
         out = console.stream() if console.log_file() is not None else sys.stderr
@@ -205,7 +211,7 @@ def run(cfg: Any) -> Optional[str]:
     try:
         with console.quiet(None if loud else console.job_log_file()):
             try:
-                plan = start(settings, _hydra_job_dir())
+                plan = start(settings, job.dir)
                 outcomes = run_stages(plan, settings, stages_for(settings.stage, settings),
                                       seconds, started)
                 if outcomes[-1].status == "rank":
@@ -241,46 +247,19 @@ def run(cfg: Any) -> Optional[str]:
         failures.set_reporter(None)
 
 
-def _share_job_with_ranks() -> None:
+def _share_job_with_ranks(job: "Job") -> None:
     """For `trainer.devices=N`: the processes Lightning starts rerun this job, not the
     command line (eagle3x.distributed); their console shows only errors."""
     from eagle3x import distributed
 
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        if not HydraConfig.initialized():
-            return
-        if distributed.worker_argv() is not None:
-            for h in logging.getLogger().handlers:
-                if type(h) is logging.StreamHandler:
-                    h.setLevel(logging.ERROR)
-            return
-        hc = HydraConfig.get()
-        distributed.share_job(list(hc.overrides.task), list(hc.overrides.hydra),
-                              _hydra_job_dir())
-    except ValueError:  # HydraConfig not set in this process
-        pass
-
-
-def _hydra_verbose() -> bool:
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        return bool(HydraConfig.initialized() and HydraConfig.get().verbose)
-    except Exception:
-        return False
-
-
-def _hydra_job_dir() -> Optional[Path]:
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        if HydraConfig.initialized():
-            return Path(HydraConfig.get().runtime.output_dir)
-    except Exception:
-        pass
-    return None
+    if not job.running:
+        return
+    if distributed.worker_argv() is not None:
+        for h in logging.getLogger().handlers:
+            if type(h) is logging.StreamHandler:
+                h.setLevel(logging.ERROR)
+        return
+    distributed.share_job(list(job.task), list(job.rerun_hydra), job.dir)
 
 
 def _finish_wandb() -> None:
