@@ -22,7 +22,7 @@ def validate(argv: Sequence[str], notes: Optional[List[str]] = None) -> List[Pro
     from hydra._internal.utils import get_args_parser
 
     from eagle3x.config.compose import compose_checked, expand_jobs, typed
-    from eagle3x.config.preflight import notices, preflight
+    from eagle3x.checks.preflight import notices, preflight
     from eagle3x.config.rules import check_values
     from eagle3x.pipeline import stages_for
 

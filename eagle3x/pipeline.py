@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, TYPE_CHECKING, Tuple
 
 from eagle3x.artifacts import Outcome
-from eagle3x.config import preflight
+from eagle3x.checks import preflight
 from eagle3x.config.problems import EXIT_REFUSED, Problem, Refused
 from eagle3x.config.schema import (EngineName, Eagle3xConfig, HiddenSource, OfflineEval,
                                    Responses, Stage)
@@ -47,7 +47,7 @@ class StageSpec:
     before: Tuple[str, ...] = ()
     #: part of `stage=all`
     in_all: bool = True
-    #: startup checks of the world this stage meets (eagle3x.config.preflight)
+    #: startup checks of the world this stage meets (eagle3x.checks.preflight)
     checks: Tuple[preflight.Check, ...] = ()
     #: a check that needs the stage's heavy library, run before any stage of the command
     #: starts: precheck(plan, settings) -> problems

@@ -1,8 +1,7 @@
-"""The stage graph is the one list of stages; imports never run back up the layers."""
+"""The stage graph is the one list of stages (the layers: tests/test_layers.py)."""
 
 from __future__ import annotations
 
-import ast
 import inspect
 from pathlib import Path
 
@@ -56,51 +55,6 @@ def test_help_lists_the_stages_of_the_enum():
     text = (PACKAGE.parent / "conf" / "config.yaml").read_text()
     line = next(x for x in text.splitlines() if x.strip().startswith("Stages:"))
     assert [w.strip() for w in line.split(":", 1)[1].split(",")] == [s.value for s in Stage]
-
-
-#: Each module's layer; a module may import only from its own layer or below.
-LAYERS = [
-    ("eagle3x.resources", 0), ("eagle3x.artifacts", 0), ("eagle3x.verifier", 0),
-    ("eagle3x.weights", 0), ("eagle3x.tiny", 0), ("eagle3x.serving", 0), ("eagle3x.console", 0),
-    ("eagle3x.distributed", 0), ("eagle3x.families", 0), ("eagle3x.failures", 0),
-    ("eagle3x.config.problems", 0),
-    ("eagle3x.config.schema", 0),
-    ("eagle3x.plan", 1), ("eagle3x.config.compose", 1), ("eagle3x.config.rules", 1),
-    ("eagle3x.engines", 2), ("eagle3x.draft", 2), ("eagle3x.data", 2),
-    ("eagle3x.config.preflight", 3), ("eagle3x.tracking", 3),
-    ("eagle3x.stages", 4),
-    ("eagle3x.pipeline", 5), ("eagle3x.stopping", 5),
-    ("eagle3x.__main__", 6), ("eagle3x.compare", 6), ("eagle3x.inspect", 6),
-]
-
-
-def layer(module: str) -> int:
-    for prefix, rank in LAYERS:
-        if module == prefix or module.startswith(prefix + "."):
-            return rank
-    raise AssertionError(f"{module} has no layer in tests/test_pipeline.py::LAYERS")
-
-
-def test_no_import_runs_back_up_the_layers():
-    wrong = []
-    for path in PACKAGE.rglob("*.py"):
-        rel = path.relative_to(PACKAGE.parent).with_suffix("")
-        module = ".".join(p for p in rel.parts if p != "__init__")
-        if module == "eagle3x":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            targets = []
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("eagle3x"):
-                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            elif isinstance(node, ast.Import):
-                targets = [a.name for a in node.names if a.name.startswith("eagle3x")]
-            for t in targets:
-                try:
-                    if layer(t) > layer(module):
-                        wrong.append(f"{module} imports {t}")
-                except AssertionError:
-                    continue  # `from eagle3x.x import name`: the name, not a module
-    assert not wrong, wrong
 
 
 def test_nothing_under_data_imports_stages():

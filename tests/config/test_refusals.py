@@ -317,7 +317,7 @@ def test_live_eval_beside_an_mla_verifier_is_refused_on_the_cpu_build(cli, tiny_
         monkeypatch.setenv("EAGLE3X_GPU_COUNT", gpus)
         return [p for p in validate(argv, []) if "latent attention" in p.message]
 
-    from eagle3x.config import preflight
+    from eagle3x.checks import preflight
 
     # this machine's CPU, through the command a user types
     f32 = args + ["engine.dtype=float32"]
