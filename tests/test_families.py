@@ -16,7 +16,7 @@ import pytest
 from eagle3x import families
 from eagle3x.families import FAMILIES, family_of
 from tests.config.test_refusals import HEAVY, refused
-from tests.helpers import zoo
+from eagle3x.testing import zoo
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -103,3 +103,19 @@ def test_these_modules_import_no_heavy_library(module):
 def test_the_heavy_import_check_sees_one():
     _, outside = _loaded_at_import("eagle3x.engines.hf")
     assert "torch" in outside
+
+
+def test_bench_imports_nothing_from_tests():
+    wrong = []
+    for path in sorted((ROOT / "bench").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            wrong += [f"{path.relative_to(ROOT)} imports {n}" for n in names
+                      if n == "tests" or n.startswith("tests.")]
+    assert not wrong, wrong
+
+
+def test_nothing_in_the_package_imports_its_testing_stand_ins():
+    assert not [f"{a} imports {b}" for a, ts in GRAPH.items() for b in ts
+                if b.startswith("eagle3x.testing") and not a.startswith("eagle3x.testing")]

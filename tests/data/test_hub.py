@@ -11,7 +11,8 @@ import shutil
 import pytest
 
 from eagle3x.data import prepared
-from tests.helpers import chat_zoo, plan_for, write_jsonl
+from eagle3x.testing import chat_zoo
+from tests.helpers import plan_for, write_jsonl
 
 NAME = "acme/ToolChats"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
