@@ -3,6 +3,9 @@
 ``STAGES`` is the one table of stages: name, function, the config sections it is handed,
 the stages that run before it, whether ``stage=all`` includes it, and its startup checks.
 ``stage=all``, the stages a stage builds first, preflight and the benchmarks all read it.
+One rule for every stage: the stages it depends on run before it in the same command,
+each reusing its artifact when present (``before``), so no stage refuses for a missing
+input another stage makes.
 Adding a stage is one entry here plus its module under ``eagle3x/stages/``.
 
 A run, top to bottom (``run`` below):
@@ -43,7 +46,9 @@ class StageSpec:
     run: Callable[..., Outcome]
     #: config sections handed to `run` as keyword arguments of the same names
     sections: Tuple[str, ...] = ()
-    #: stages run first in the same command (each reuses its artifact when present)
+    #: the stages whose artifacts this one reads, and theirs in turn (the whole closure,
+    #: in graph order): run first in the same command, each reusing its artifact when
+    #: present, so a stage on a fresh store builds what it needs (a test keeps it closed)
     before: Tuple[str, ...] = ()
     #: part of `stage=all`
     in_all: bool = True
@@ -83,6 +88,7 @@ STAGES: Tuple[StageSpec, ...] = (
               checks=(preflight.chat_template, preflight.prepared_writable,
                       preflight.context_length)),
     StageSpec("extract", extract.run, sections=("extract", "engine"),
+              before=("regenerate", "prepare"),
               precheck=lambda p, s: _vllm_support(p) if (
                   s.engine.name is EngineName.vllm and preflight.extraction_pending(p)) else [],
               checks=(preflight.gpus, preflight.devices, preflight.context_length,
@@ -91,7 +97,7 @@ STAGES: Tuple[StageSpec, ...] = (
                       preflight.engine_memory, preflight.vllm_family),
               # hidden=online|server: training gets the hidden states; extract runs only by name
               unless=lambda s: s.hidden.source is not HiddenSource.offline),
-    StageSpec("vocab", vocab.run, checks=(preflight.vocab_inputs, preflight.vocab_seen)),
+    StageSpec("vocab", vocab.run, before=("regenerate", "prepare"), checks=(preflight.vocab_inputs, preflight.vocab_seen)),
     StageSpec("train", train.run, sections=("train", "trainer", "logger", "extract", "engine",
                                             "hidden", "draft"),
               before=("regenerate", "prepare", "extract", "vocab"), precheck=lambda p, s: [
@@ -109,7 +115,8 @@ STAGES: Tuple[StageSpec, ...] = (
               precheck=lambda p, s: _vllm_support(p) if (s.eval.live or (
                   s.eval.offline is OfflineEval.greedy and s.engine.name is EngineName.vllm))
               else []),
-    StageSpec("export", export.run, sections=("train", "trainer"), before=("vocab",),
+    StageSpec("export", export.run, sections=("train", "trainer"),
+              before=("regenerate", "prepare", "vocab"),
               in_all=False),
     StageSpec("serve", serve.run, sections=("serve", "engine", "extract", "hidden"),
               in_all=False, checks=(preflight.serve_settings, preflight.gpus,

@@ -36,9 +36,18 @@ def test_what_each_command_runs():
 
     assert run(Stage.all) == ["prepare", "extract", "vocab", "train", "eval"]
     assert run(Stage.train) == ["prepare", "extract", "vocab", "train"]
-    assert run(Stage.extract) == ["extract"] and run(Stage.export) == ["vocab", "export"]
+    assert run(Stage.extract) == ["prepare", "extract"]
+    assert run(Stage.vocab) == ["prepare", "vocab"]
+    assert run(Stage.export) == ["prepare", "vocab", "export"]
     assert run(Stage.regenerate) == ["regenerate"] and run(Stage.prepare) == ["prepare"]
     assert BY_NAME["eval"].before == ()
+
+
+def test_what_a_stage_runs_first_is_closed():
+    """One rule for every stage: what it runs first includes what those run first."""
+    for spec in STAGES:
+        for name in spec.before:
+            assert set(BY_NAME[name].before) <= set(spec.before), (spec.name, name)
 
 
 def test_regenerated_replies_put_regenerate_before_prepare():
@@ -68,6 +77,6 @@ def test_online_hidden_states_leave_extract_out_unless_it_is_asked_for():
     online = settings_for(["stage=all", "hidden=online"])
     assert [s.name for s in stages_for(Stage.all, online)] == ["prepare", "vocab", "train", "eval"]
     assert [s.name for s in stages_for(Stage.train, online)] == ["prepare", "vocab", "train"]
-    assert [s.name for s in stages_for(Stage.extract, online)] == ["extract"]
+    assert [s.name for s in stages_for(Stage.extract, online)] == ["prepare", "extract"]
     offline = settings_for(["stage=all"])
     assert "extract" in [s.name for s in stages_for(Stage.all, offline)]
