@@ -151,7 +151,7 @@ def main() -> None:
     extra = []
     if args.verifier == "qwen3":
         sys.path.insert(0, str(REPO))
-        from tests.helpers import chat_zoo
+        from eagle3x.testing import chat_zoo
 
         path = chat_zoo.build_verifier("qwen3", cache)
         extra = ["verifier=local", f"verifier.path={path}", "experiment=tiny",

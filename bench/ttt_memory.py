@@ -1,5 +1,5 @@
 """Training-time-test memory against sequence length: the dense implementation eagle3x had
-(tests/draft/dense_ttt.py) and today's (blocked attention recomputed in backward, chunked
+(eagle3x/testing/dense_ttt.py) and today's (blocked attention recomputed in backward, chunked
 loss), side by side in one run.
 
     python bench/ttt_memory.py                  # measured sweep + extrapolation table
@@ -80,7 +80,7 @@ def build(shape: Dict[str, int], t: int, device: str, block: int):
 
 def metrics_fn(impl: str):
     if impl == "dense":
-        from tests.draft.dense_ttt import dense_step_metrics
+        from eagle3x.testing.dense_ttt import dense_step_metrics
 
         return lambda d, b, h, steps, chunk: dense_step_metrics(d, b, h, steps, 0.8)
     from eagle3x.draft.ttt import ttt_step_metrics

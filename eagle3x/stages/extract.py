@@ -2,7 +2,8 @@
 
 The loop itself (resumable, incremental, shard repair, signals) is
 ``eagle3x.data.extraction``, the same code the datamodule drives in ``prepare_data()``.
-The prepared data must exist (preflight refuses the run otherwise and names the command).
+The prepared data is made first when missing (pipeline.STAGES: stage=extract runs prepare
+before it, which reuses a finished artifact).
 With ``extract.workers`` > 1 this process is one worker of a data-parallel extraction
 (its index: ``extract.worker``, else SLURM_PROCID / RANK; ``distributed.extract_worker``).
 """

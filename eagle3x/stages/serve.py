@@ -32,7 +32,8 @@ def run(plan: RunPlan, serve: ServeConfig, engine: EngineConfig, extract: Extrac
     import os
     import urllib.error
 
-    from eagle3x.engines.base import EngineFailed, vllm_options
+    from eagle3x.engines.errors import EngineFailed
+    from eagle3x.engines.options import vllm_options
     from eagle3x.engines.watch import StartWatch
     from eagle3x.engines.server import (expected_card, get_json, new_served_name, serve_argv,
                                         write_card)

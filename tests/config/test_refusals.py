@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from eagle3x.__main__ import validate
 from tests.helpers import write_jsonl
 
 HEAVY = ("torch", "vllm", "lightning", "transformers")
@@ -137,13 +138,26 @@ def test_the_disk_estimate_follows_the_storage_format(cli):
             f"({tokens} tokens x 497 bytes per token", "aux fp8, teacher topk top-16")
 
 
-def test_missing_prepared_data_names_the_command(cli):
-    refused(cli("stage=extract", "extract.batch_size=4"), "no prepared data",
-            "python -m eagle3x stage=prepare extract.batch_size=4")
+def test_missing_prepared_data_is_prepared_first(store, capsys):
+    """A stage builds the stages it needs that are missing (stage=extract on a fresh store
+    prepares first): no refusal, and --plan says which it builds."""
+    from eagle3x.__main__ import main
+
+    assert validate(["stage=extract", "extract.batch_size=4"]) == []
+    main(["--plan", "stage=extract", "extract.batch_size=4"])
+    stages = json.loads(capsys.readouterr().out)["stages"]
+    assert [(s["stage"], s["does"]) for s in stages] == [("prepare", "builds"),
+                                                        ("extract", "builds")]
+    assert stages[0]["folder"].startswith(str(store / "prepared"))
 
 
-def test_explicit_prepared_data_missing(cli, tmp_path):
-    refused(cli("stage=vocab", f"extract.prepared_data={tmp_path}/none"), f"{tmp_path}/none")
+def test_explicit_prepared_data_missing_is_prepared_there(store, tmp_path, capsys):
+    from eagle3x.__main__ import main
+
+    assert validate(["stage=vocab", f"extract.prepared_data={tmp_path}/none"]) == []
+    main(["--plan", "stage=vocab", f"extract.prepared_data={tmp_path}/none"])
+    stages = json.loads(capsys.readouterr().out)["stages"]
+    assert stages[0] == {"stage": "prepare", "does": "builds", "folder": f"{tmp_path}/none"}
 
 
 def test_sweep_refused_before_any_job_runs(cli, store):
@@ -256,11 +270,16 @@ def test_eval_refuses_hidden_states_of_other_inputs_at_startup(cli, tmp_path):
     refused(cli("stage=eval", f"extract.output_dir={out}"), "will not mix them")
 
 
-def test_an_unreadable_manifest_is_a_refusal_not_a_traceback(cli, tmp_path):
+def test_an_unreadable_manifest_is_no_artifact_to_reuse(store, tmp_path, capsys):
+    """A folder whose manifest cannot be read holds no finished prepared data: prepare
+    builds it again (artifacts.building replaces the folder), nothing is refused."""
+    from eagle3x.__main__ import main
+
     odd = tmp_path / "prepared"
     (odd / "manifest.json").mkdir(parents=True)  # a folder where the manifest should be
-    err = refused(cli("stage=vocab", f"extract.prepared_data={odd}"), "no prepared data")
-    assert "Traceback" not in err
+    assert validate(["stage=vocab", f"extract.prepared_data={odd}"]) == []
+    main(["--plan", "stage=vocab", f"extract.prepared_data={odd}"])
+    assert json.loads(capsys.readouterr().out)["stages"][0]["does"] == "builds"
 
 
 def test_the_last_layer_is_refused_because_sglang_never_captures_it(cli):
@@ -317,7 +336,7 @@ def test_live_eval_beside_an_mla_verifier_is_refused_on_the_cpu_build(cli, tiny_
         monkeypatch.setenv("EAGLE3X_GPU_COUNT", gpus)
         return [p for p in validate(argv, []) if "latent attention" in p.message]
 
-    from eagle3x.config import preflight
+    from eagle3x.checks import preflight
 
     # this machine's CPU, through the command a user types
     f32 = args + ["engine.dtype=float32"]

@@ -1,6 +1,6 @@
 """The loss mask under the real families' chat templates, token by token.
 
-Each family's published template (tests/helpers/chat_templates) with a tokenizer built
+Each family's published template (eagle3x/testing/chat_templates) with a tokenizer built
 locally whose special tokens are the family's. For an agentic conversation (system prompt,
 tools, reasoning on both replies, a tool call with empty content, its result) and a
 two-question conversation with reasoning, the runs of trained tokens, decoded, must be
@@ -16,7 +16,7 @@ import pytest
 
 from eagle3x.data.chat import ChatSettings, layout, tokenize
 from eagle3x.data.conversations import DataError, normalize
-from tests.helpers import chat_zoo
+from eagle3x.testing import chat_zoo
 
 CALL = '{"city": "Paris"}'
 

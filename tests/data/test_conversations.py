@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from eagle3x.data.conversations import DataError, Fields, iter_conversations, normalize
-from tests.helpers import chat_zoo, write_jsonl
+from eagle3x.testing import chat_zoo
+from tests.helpers import write_jsonl
 
 
 def one(record, **kw):

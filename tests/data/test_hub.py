@@ -11,7 +11,8 @@ import shutil
 import pytest
 
 from eagle3x.data import prepared
-from tests.helpers import chat_zoo, plan_for, write_jsonl
+from eagle3x.testing import chat_zoo
+from tests.helpers import plan_for, write_jsonl
 
 NAME = "acme/ToolChats"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -41,16 +42,16 @@ def hub(tmp_path, monkeypatch):
     cache.mkdir()
     monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from eagle3x import plan
+    from eagle3x import hub as client
 
-    plan._HUB.clear()
+    client._HUB.clear()
     return cache
 
 
 def test_the_cache_path_is_spelled_as_datasets_spells_it():
     from datasets.naming import camelcase_to_snakecase
 
-    from eagle3x.plan import snake_name
+    from eagle3x.hub import snake_name
 
     for name in ("ToolChats", "glaive-function-calling-v2", "OpenHermes2.5", "XLAM_60k", "ABCdef",
                  "sharegpt_90k", "a1B"):

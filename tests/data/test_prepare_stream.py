@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from eagle3x.data import prepared
-from tests.helpers import chat_zoo, plan_for, write_jsonl
+from eagle3x.testing import chat_zoo
+from tests.helpers import plan_for, write_jsonl
 
 
 def sha(folder) -> str:

@@ -10,7 +10,7 @@ from eagle3x.config.schema import RegenerateConfig
 from eagle3x.data.conversations import normalize
 from eagle3x.data.regenerate import split_reasoning
 from tests.data.test_regenerate import greedy
-from tests.helpers import chat_zoo
+from eagle3x.testing import chat_zoo
 
 
 def test_tool_calls_are_kept_and_replies_regenerated(tiny_verifier):

@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from tests.helpers import chat_zoo, plan_for, write_jsonl
+from eagle3x.testing import chat_zoo
+from tests.helpers import plan_for, write_jsonl
 
 #: template -> whether its conversations need data.split_turns (Qwen3 and GPT-OSS drop an
 #: earlier reply's reasoning once another question follows; Kimi drops it always)

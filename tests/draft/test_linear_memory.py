@@ -1,6 +1,6 @@
 """The linear-memory training-time test (blocked, recomputed attention, or the fused kernel;
 chunked loss with its gradients formed in the forward pass) against the dense
-implementation it replaced (tests/draft/dense_ttt.py), in float32 on random inputs: every
+implementation it replaced (eagle3x/testing/dense_ttt.py), in float32 on random inputs: every
 step's logits, every metric, every gradient, for both attention paths. And the property
 it exists for: what autograd keeps for backward grows linearly in T, where the dense
 path's grows as T^2.
@@ -16,7 +16,7 @@ import torch
 
 from eagle3x.draft.model import DraftShape, Eagle3Draft
 from eagle3x.draft.ttt import shift, ttt_step_metrics
-from tests.draft.dense_ttt import dense_step_metrics, dense_unroll
+from eagle3x.testing.dense_ttt import dense_step_metrics, dense_unroll
 
 H, TH, VD, VT = 32, 24, 20, 50
 #: both attention paths: the blocked reference (model.ttt_attention) and the fused kernel

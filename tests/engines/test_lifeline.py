@@ -13,7 +13,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from eagle3x.engines.base import EngineFailed, failing_as
+from eagle3x.engines.errors import EngineFailed, failing_as
 from eagle3x.engines.lifeline import EngineDied, lifeline, vllm_processes
 
 

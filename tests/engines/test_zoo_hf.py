@@ -1,6 +1,6 @@
 """The transformers (hf) engine's stored features, for every family of the verifier zoo.
 
-For each tiny checkpoint of tests/helpers/zoo.py, in-process and float32: eagle3x's
+For each tiny checkpoint of eagle3x/testing/zoo.py, in-process and float32: eagle3x's
 HFEngine extracts a padded batch of two sequences with the aux layers eagle3x chooses;
 transformers, run on each sequence alone, says what they must be:
 
@@ -21,7 +21,7 @@ import torch
 
 from eagle3x.verifier import default_aux_layers, read_info
 from eagle3x.weights import verifier_head, verifier_logits
-from tests.helpers import zoo
+from eagle3x.testing import zoo
 
 #: Relative tolerance: max |a - b| <= TOL * max(1, max |b|) (float32 throughout).
 TOL = 1e-4

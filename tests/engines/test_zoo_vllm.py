@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from eagle3x.families import FAMILIES
-from tests.helpers import zoo
+from eagle3x.testing import zoo
 from tests.stages.test_extract import all_tensors
 
 #: Families vLLM extracts here (a row's extra modules installed). The Llama row is the

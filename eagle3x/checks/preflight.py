@@ -392,8 +392,8 @@ def extraction_pending(plan: Optional[RunPlan]) -> bool:
 def engine_memory(w: World) -> List[Problem]:
     """extract and regenerate (engine=vllm, with work to do) and eval (eval.live, or
     eval.offline=greedy with engine=vllm): the memory vLLM will reserve is free now (rules in
-    eagle3x.config.machine)."""
-    from eagle3x.config import machine
+    eagle3x.checks.machine)."""
+    from eagle3x.checks import machine
 
     vllm = w.cfg.engine.name is EngineName.vllm
     regenerating = (vllm and "regenerate" in w.runs and w.plan is not None
@@ -504,7 +504,7 @@ def online_memory(w: World) -> List[Problem]:
     CPU memory when training on the CPU (once per training process there)."""
     if not online(w) or "train" not in w.runs or w.plan is None:
         return []
-    from eagle3x.config import machine
+    from eagle3x.checks import machine
     from eagle3x.draft.shape import draft_shape, draft_training_bytes
 
     cfg, plan = w.cfg, w.plan

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3x.config import machine
+from eagle3x.checks import machine
 from eagle3x.verifier import verifier_context
 from tests.config.test_refusals import refused
 

@@ -316,11 +316,11 @@ def _publish(folder: Path, tag: dict, make: Callable[[Path], None]) -> Path:
 def build_w4a16(name: str, folder: str | Path, tokenizer_from: str | Path,
                 only: str | None = None, reference: bool = False) -> Path:
     """The family `name`'s zoo checkpoint quantized as compressed-tensors W4A16 (int4
-    weights in groups of 32, symmetric; tests/helpers/quant.py) at `folder`: every linear
+    weights in groups of 32, symmetric; eagle3x/testing/quant.py) at `folder`: every linear
     layer but the head, or those matching `only` (Kimi-K2.5 quantizes only the routed
     experts: only=r"mlp\\.experts\\.\\d+\\."). `reference=True` writes instead the float
     checkpoint whose weights are exactly the dequantized int4 values."""
-    from tests.helpers import quant
+    from eagle3x.testing import quant
 
     folder = Path(folder)
     tag = {"zoo_id": ZOO_ID, "family": name, "w4a16": only or "all", "reference": reference}

@@ -5,7 +5,7 @@
 byte-level BPE tokenizer of 1024 tokens locally with `tokenizers` (nothing downloaded)
 whose special tokens are the family's (atomic, with ids below 1024), sets the family's
 template, and saves it as a transformers tokenizer. ``build_verifier(name, folder)`` puts
-it beside a tiny zoo checkpoint of the family's architecture (tests/helpers/zoo.py), so
+it beside a tiny zoo checkpoint of the family's architecture (eagle3x/testing/zoo.py), so
 prepare, extract, train and eval run with the family's own template.
 
 ``agentic()``, ``multi_turn()`` and ``dataset()`` are conversations as users have them:
@@ -39,7 +39,7 @@ class Family:
     """A chat template and the tokens its family's tokenizer keeps whole."""
 
     template: str
-    #: the zoo architecture its checkpoint is built as (tests/helpers/zoo.py)
+    #: the zoo architecture its checkpoint is built as (eagle3x/testing/zoo.py)
     model: str
     special: List[str]
     bos: Optional[str]
@@ -188,7 +188,7 @@ def build_tokenizer(name: str, folder: str | Path) -> Path:
 def build_verifier(name: str, root: str | Path) -> Path:
     """A tiny verifier of the family's architecture with the family's tokenizer and
     template, under `root` (built once)."""
-    from tests.helpers import zoo
+    from eagle3x.testing import zoo
 
     root = Path(root) / CHAT_ZOO_ID
     tok = build_tokenizer(name, root / f"tokenizer-{name}")
@@ -196,11 +196,11 @@ def build_verifier(name: str, root: str | Path) -> Path:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """python -m tests.helpers.chat_zoo NAME FOLDER [--data FILE]: a tiny verifier with the
+    """python -m eagle3x.testing.chat_zoo NAME FOLDER [--data FILE]: a tiny verifier with the
     family's template at FOLDER (and conversations to try it on at FILE)."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m tests.helpers.chat_zoo", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m eagle3x.testing.chat_zoo", description=main.__doc__)
     p.add_argument("name", choices=sorted(FAMILIES))
     p.add_argument("folder")
     p.add_argument("--data", help="write dataset() conversations (jsonl) here")
@@ -208,7 +208,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = p.parse_args(argv)
     folder = Path(args.folder)
     tok = build_tokenizer(args.name, folder.parent / f".{folder.name}.tokenizer")
-    from tests.helpers import zoo
+    from eagle3x.testing import zoo
 
     zoo.build(FAMILIES[args.name].model, folder, tok)
     if args.data:

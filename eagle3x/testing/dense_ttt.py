@@ -1,7 +1,7 @@
 """The training-time test as eagle3x computed it before the linear-memory rewrite: one dense
 [B, heads, T, T + steps] score matrix per step kept for backward, and every step's logits and
 the verifier's log-probs over the draft vocab held at once. Kept as the reference the
-memory-saving paths in eagle3x/draft/model.py and ttt.py must reproduce (tests only).
+memory-saving paths in eagle3x/draft/model.py and ttt.py must reproduce (the tests, bench/ttt_memory.py).
 """
 
 from __future__ import annotations

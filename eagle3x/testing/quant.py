@@ -1,5 +1,5 @@
 """Make a compressed-tensors W4A16 ("pack-quantized") checkpoint from a float checkpoint
-(the zoo's quantized verifiers; tests/helpers/zoo.py, build_w4a16).
+(the zoo's quantized verifiers; eagle3x/testing/zoo.py, build_w4a16).
 
 Torch + safetensors only (no compressed_tensors / llmcompressor import). The output is the
 format RedHatAI W4A16 / Kimi-K2.x checkpoints carry:
