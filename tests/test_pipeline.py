@@ -71,6 +71,7 @@ LAYERS = [
     ("eagle3x.stages", 4),
     ("eagle3x.pipeline", 5), ("eagle3x.stopping", 5),
     ("eagle3x.__main__", 6), ("eagle3x.compare", 6), ("eagle3x.inspect", 6),
+    ("eagle3x.docs", 6),
 ]
 
 
