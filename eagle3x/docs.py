@@ -114,7 +114,7 @@ def config_page() -> str:
                         f"{_cell(rule.why) if rule else ''} | {_cell(doc)} |")
         if rows:
             doc = (cls.__doc__ or "").strip()
-            if not doc:
+            if not doc or doc.startswith(f"{cls.__name__}("):  # dataclass's made-up doc
                 raise UndocumentedKey(f"config section `{prefix.rstrip('.') or 'root'}` "
                                       f"({cls.__name__}) has no docstring")
             lines.extend([f"## `{prefix.rstrip('.')}`" if prefix else "## The root", "",

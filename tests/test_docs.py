@@ -33,6 +33,18 @@ def test_a_changed_page_is_seen_as_stale(tmp_path):
     assert docs.stale(tmp_path) == [str(page)]
 
 
+@dataclasses.dataclass
+class _NewSection:  # no docstring: dataclass makes one up from the signature
+    key: int = schema.documented(1, "a key")
+
+
+@dataclasses.dataclass
+class _WithSection(schema.Eagle3xConfig):
+    """The root, with a section of no docstring."""
+
+    new: _NewSection = dataclasses.field(default_factory=_NewSection)
+
+
 def test_every_config_key_has_a_doc_and_a_key_without_one_is_refused(monkeypatch):
     page = docs.config_page()
     for f in dataclasses.fields(schema.DataConfig):
@@ -47,6 +59,10 @@ def test_every_config_key_has_a_doc_and_a_key_without_one_is_refused(monkeypatch
     with pytest.raises(docs.UndocumentedKey, match="`new_key` has no doc"):
         docs.config_page()
     assert docs.main(["--check"]) == 1
+
+    monkeypatch.setattr(schema, "Eagle3xConfig", _WithSection)
+    with pytest.raises(docs.UndocumentedKey, match="section `new`"):
+        docs.config_page()
 
 
 def test_the_site_builds_strictly(tmp_path):
