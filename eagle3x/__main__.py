@@ -78,21 +78,17 @@ def show_plans(argv: Sequence[str]) -> str:
     return json.dumps(plans[0] if len(plans) == 1 else plans, indent=2) + "\n"
 
 
-#: The plan's artifact each stage writes (stages without one: a run folder, a server).
-_ARTIFACT = {"regenerate": "regenerated", "prepare": "prepared", "extract": "hidden",
-             "vocab": "vocab"}
-
-
 def stage_plan(plan, settings) -> List[dict]:
-    """The stages the command runs, in order, each with what it does: "builds" its artifact
-    (none complete there yet), "reuses" it (hidden states holding too few samples are
-    extended), or "runs" (train, eval, export, serve: no artifact of the store)."""
+    """The stages the command runs, in order (`pipeline.needed`), each with what it does:
+    "builds" its artifact (none complete there yet), "reuses" it (hidden states holding
+    too few samples are extended), or "runs" (train, eval, export, serve: no artifact of
+    the store)."""
     from eagle3x import artifacts
-    from eagle3x.pipeline import stages_for
+    from eagle3x.pipeline import needed, stages_for
 
     out = []
-    for spec in stages_for(settings.stage, settings):
-        ref = getattr(plan, _ARTIFACT.get(spec.name, ""), None)
+    for spec in needed(settings.stage, stages_for(settings.stage, settings), plan):
+        ref = getattr(plan, spec.artifact) if spec.artifact else None
         if ref is None:
             out.append({"stage": spec.name, "does": "runs"})
             continue

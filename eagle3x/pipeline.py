@@ -62,6 +62,11 @@ class StageSpec:
     when: Optional[Callable[[Eagle3xConfig], bool]] = None
     #: when set, the stage stays out of another command if unless(settings) holds
     unless: Optional[Callable[[Eagle3xConfig], bool]] = None
+    #: the RunPlan field of the artifact it writes (None: it always runs: a run folder,
+    #: a server)
+    artifact: Optional[str] = None
+    #: the stages whose artifacts it reads itself (`before` also holds theirs in turn)
+    reads: Tuple[str, ...] = ()
 
 
 def _vllm_support(plan: RunPlan) -> List[Problem]:
@@ -83,12 +88,14 @@ STAGES: Tuple[StageSpec, ...] = (
     StageSpec("regenerate", regenerate.run, sections=("regenerate", "engine"),
               checks=(preflight.chat_template, preflight.gpus, preflight.devices,
                       preflight.engine_memory),
-              when=lambda s: s.data.responses is Responses.regenerated),
-    StageSpec("prepare", prepare.run, before=("regenerate",),
+              when=lambda s: s.data.responses is Responses.regenerated,
+              artifact="regenerated"),
+    StageSpec("prepare", prepare.run, before=("regenerate",), artifact="prepared",
+              reads=("regenerate",),
               checks=(preflight.chat_template, preflight.prepared_writable,
                       preflight.context_length)),
     StageSpec("extract", extract.run, sections=("extract", "engine"),
-              before=("regenerate", "prepare"),
+              before=("regenerate", "prepare"), artifact="hidden", reads=("prepare",),
               precheck=lambda p, s: _vllm_support(p) if (
                   s.engine.name is EngineName.vllm and preflight.extraction_pending(p)) else [],
               checks=(preflight.gpus, preflight.devices, preflight.context_length,
@@ -97,10 +104,12 @@ STAGES: Tuple[StageSpec, ...] = (
                       preflight.engine_memory, preflight.vllm_family),
               # hidden=online|server: training gets the hidden states; extract runs only by name
               unless=lambda s: s.hidden.source is not HiddenSource.offline),
-    StageSpec("vocab", vocab.run, before=("regenerate", "prepare"), checks=(preflight.vocab_inputs, preflight.vocab_seen)),
+    StageSpec("vocab", vocab.run, before=("regenerate", "prepare"), artifact="vocab",
+              reads=("prepare",), checks=(preflight.vocab_inputs, preflight.vocab_seen)),
     StageSpec("train", train.run, sections=("train", "trainer", "logger", "extract", "engine",
                                             "hidden", "draft"),
-              before=("regenerate", "prepare", "extract", "vocab"), precheck=lambda p, s: [
+              before=("regenerate", "prepare", "extract", "vocab"),
+              reads=("prepare", "extract", "vocab"), precheck=lambda p, s: [
                   Problem("trainer", why) for why in [train.precheck(s.trainer)] if why],
               checks=(preflight.logger_installed, preflight.wandb_credentials,
                       preflight.trainer_devices, preflight.resume_checkpoint,
@@ -116,7 +125,7 @@ STAGES: Tuple[StageSpec, ...] = (
                   s.eval.offline is OfflineEval.greedy and s.engine.name is EngineName.vllm))
               else []),
     StageSpec("export", export.run, sections=("train", "trainer"),
-              before=("regenerate", "prepare", "vocab"),
+              before=("regenerate", "prepare", "vocab"), reads=("vocab",),
               in_all=False),
     StageSpec("serve", serve.run, sections=("serve", "engine", "extract", "hidden"),
               in_all=False, checks=(preflight.serve_settings, preflight.gpus,
@@ -139,6 +148,29 @@ def stages_for(stage: Stage, settings: Optional[Eagle3xConfig] = None) -> List[S
         return [s for s in STAGES if s.in_all and joins(s)]
     spec = BY_NAME[stage.value]
     return [BY_NAME[n] for n in spec.before if joins(BY_NAME[n])] + [spec]
+
+
+def needed(stage: Stage, stages: Sequence[StageSpec], plan: RunPlan) -> List[StageSpec]:
+    """`stages` (a `stages_for` list) less the stages run first that nothing will read: a
+    stage run first is kept when a kept stage after it reads it and cannot reuse its own
+    artifact (none complete yet; hidden states, which may be extended, and the stages
+    without an artifact always read their inputs). So `stage=export` with a finished
+    vocabulary reads no prepared data, and prepares none, while `stage=vocab` on a fresh
+    store prepares first. The stage asked for always stays; `stage=all` keeps every stage."""
+    from eagle3x import artifacts
+
+    if stage is Stage.all or not stages:
+        return list(stages)
+    wanted = {stages[-1].name}
+    for spec in reversed(stages):
+        if spec.name not in wanted:
+            continue
+        ref = getattr(plan, spec.artifact) if spec.artifact else None
+        reusable = (ref is not None and spec.name != "extract"
+                    and artifacts.complete_manifest(ref.folder) is not None)
+        if not reusable:
+            wanted |= set(spec.reads)
+    return [s for s in stages if s.name in wanted]
 
 
 def run_stages(plan: RunPlan, settings: Eagle3xConfig, stages: Sequence[StageSpec],
@@ -219,7 +251,9 @@ def run(cfg: Any) -> Optional[str]:
         with console.quiet(None if loud else console.job_log_file()):
             try:
                 plan = start(settings, job.dir)
-                outcomes = run_stages(plan, settings, stages_for(settings.stage, settings),
+                outcomes = run_stages(plan, settings,
+                                      needed(settings.stage,
+                                             stages_for(settings.stage, settings), plan),
                                       seconds, started)
                 if outcomes[-1].status == "rank":
                     return None  # a training rank other than 0: rank 0 writes the rest

@@ -1,11 +1,20 @@
-"""Shared fixtures: a per-test artifact store, one tiny verifier for the session, CLI runners.
+"""Shared fixtures: a per-test artifact store, one tiny verifier for the session, CLI runners;
+and the line between the quick loop (`pytest -m "not slow"`) and the rest.
 
 Helpers (records, stage_output, in-process plans) live in tests/helpers.
+
+Slow, mechanically: a test is marked `slow` at collection when it carries a marker in
+`SLOW_MARKERS` (vllm: it starts a vLLM engine) or uses a fixture in `SLOW_FIXTURES`
+(real_cli: it starts `python -m eagle3x`). A test not marked slow that starts a process
+(subprocess.Popen: `python -m eagle3x`, a server, a tool) or an engine (every engine start
+is an `engines.watch.StartWatch`) fails at that moment, saying to mark it: no such test
+slips into the quick loop. CI runs everything.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,6 +27,40 @@ from tests.helpers import Cli
 # (vllm/v1/worker/cpu_worker.py, `_should_warm_up_model`). Engines started by the tests'
 # subprocesses inherit it.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+#: Markers that make a test slow (they start an engine).
+SLOW_MARKERS = ("vllm",)
+#: Fixtures that make a test slow (they start `python -m eagle3x`).
+SLOW_FIXTURES = ("real_cli",)
+MARK_IT = "mark it @pytest.mark.slow (tests/conftest.py: the quick loop starts nothing)"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if (any(item.get_closest_marker(m) for m in SLOW_MARKERS)
+                or set(SLOW_FIXTURES) & set(getattr(item, "fixturenames", ()))):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def _quick_tests_start_nothing(request, monkeypatch):
+    """In a test not marked slow, starting a process or an engine fails the test."""
+    if request.node.get_closest_marker("slow") is not None:
+        yield
+        return
+    from eagle3x.engines import watch
+
+    def refuse(what: str):
+        def stop(*args, **kwargs):
+            # pytest's Failed is a BaseException: no `except Exception` of the code under
+            # test swallows it
+            pytest.fail(f"{request.node.nodeid} {what}: {MARK_IT}", pytrace=False)
+        return stop
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse("starts a process"))
+    monkeypatch.setattr(watch.StartWatch, "__enter__", refuse("starts an engine"))
+    yield
 
 
 def _cache_dir(tmp_path_factory) -> Path:

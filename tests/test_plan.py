@@ -102,10 +102,11 @@ def test_plan_flag_shows_each_sweep_job_with_the_shared_extraction(cli, store, d
 
 def test_a_reusable_vocabulary_needs_no_prepared_data(store, tiny_verifier, cache_dir):
     """stage=vocab (and export, which runs it first) reuse a finished vocabulary even when
-    the prepared data it was counted from is gone."""
+    the prepared data it was counted from is gone: nothing is prepared for it. Another
+    vocabulary needs the prepared data: it is prepared first."""
     import shutil
 
-    from eagle3x.__main__ import validate
+    from eagle3x.__main__ import stage_plan, validate
     from eagle3x.stages import vocab
     from tests.helpers import prepared_store
 
@@ -113,8 +114,15 @@ def test_a_reusable_vocabulary_needs_no_prepared_data(store, tiny_verifier, cach
     _, p = plan_for(["stage=vocab"])
     assert vocab.run(p).status == "built"
     shutil.rmtree(folder)
-    assert validate(["stage=vocab"]) == []
-    assert validate(["stage=vocab", "vocab.draft_vocab_size=100"])  # another vocab: refused
+    for stage in ("vocab", "export"):
+        assert validate([f"stage={stage}"]) == []
+        settings, p = plan_for([f"stage={stage}"])
+        assert [(s["stage"], s["does"]) for s in stage_plan(p, settings)] == (
+            [("vocab", "reuses")] + ([("export", "runs")] if stage == "export" else []))
+    assert validate(["stage=vocab", "vocab.draft_vocab_size=100"]) == []
+    settings, p = plan_for(["stage=vocab", "vocab.draft_vocab_size=100"])
+    assert [(s["stage"], s["does"]) for s in stage_plan(p, settings)] == [
+        ("prepare", "builds"), ("vocab", "builds")]
 
 
 def test_resume_is_read_in_one_place(tmp_path):
