@@ -275,8 +275,13 @@ class RegenerateConfig:
     top_p: float = checked(1.0, lambda v: 0 < v <= 1, "must be in (0, 1]")
     max_new_tokens: int = at_least(1, 1024)
     seed: int = 0
-    # Conversations per chunk: the unit written atomically and skipped on resume.
+    # Conversations per chunk file (each written whole); within a chunk under way every
+    # finished conversation is kept, so a stopped run resumes at the conversation.
     chunk_size: int = at_least(1, 256)
+    # engine=hf: replies decoded together in one left-padded batch (each ends at its own
+    # stop token; greedy replies are the same at any size). vLLM schedules the chunk's
+    # replies itself.
+    batch_size: int = at_least(1, 16)
     # A reply that hits max_new_tokens: keep it (marked) or drop the conversation.
     on_length: OnLength = OnLength.keep
     # Default: <paths.artifacts>/regenerated/<fingerprint>.
