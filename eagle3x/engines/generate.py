@@ -200,7 +200,7 @@ class _Queued:
 
 class VLLMGenerator(_Queued):
     """vLLM's offline engine with prefix caching (turns of one conversation share a prefix),
-    driven step by step (``LLM.llm_engine``: add_request, step, abort_request) so a caller
+    driven step by step (``LLM.enqueue``, ``llm_engine.step``, ``abort_request``) so a caller
     gets each reply as it finishes and can stop between steps. Its errors come out as
     `EngineFailed`; its start is shown phase by phase."""
 
@@ -210,8 +210,7 @@ class VLLMGenerator(_Queued):
 
         self.stops = stops
         self.rpc_timeout = set_rpc_timeout(settings)
-        self.queued: Dict[str, Tuple[int, int]] = {}  # request id -> (key, limit)
-        self.count = 0
+        self.queued: Dict[str, Tuple[int, int, str]] = {}  # id -> (key, limit, vLLM's id)
         kw = dict(model=str(verifier), tensor_parallel_size=settings["tensor_parallel_size"],
                   dtype=settings["dtype"], enforce_eager=settings["enforce_eager"],
                   quantization=settings["quantization"],
@@ -232,21 +231,21 @@ class VLLMGenerator(_Queued):
     def submit(self, requests: Sequence[Request], sampling: Sampling) -> None:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
 
         from eagle3x.engines.base import failing_as
 
+        if not requests:
+            return
+        params = [SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
+                                 max_tokens=r.limit, seed=r.seed,
+                                 stop_token_ids=sorted(self.stops)) for r in requests]
         with failing_as("vllm", "generate", self.offset, self.rpc_timeout):
-            for r in requests:
-                params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
-                                        max_tokens=r.limit, seed=r.seed,
-                                        stop_token_ids=sorted(self.stops),
-                                        output_kind=RequestOutputKind.FINAL_ONLY)
-                rid = f"g{self.count}"
-                self.count += 1
-                self.llm.llm_engine.add_request(
-                    rid, TokensPrompt(prompt_token_ids=list(map(int, r.prompt))), params)
-                self.queued[rid] = (r.key, r.limit)
+            ids = self.llm.enqueue([TokensPrompt(prompt_token_ids=list(map(int, r.prompt)))
+                                    for r in requests], params, use_tqdm=False)
+        for rid, r in zip(ids, requests):
+            # outputs carry the id the request was given; enqueue answers vLLM's own
+            # (that id, "-", a random suffix)
+            self.queued[rid.rsplit("-", 1)[0]] = (r.key, r.limit, rid)
 
     def pending(self) -> int:
         return len(self.queued)
@@ -260,9 +259,12 @@ class VLLMGenerator(_Queued):
             outs = self.llm.llm_engine.step()
         got = []
         for o in outs:
-            if not o.finished or o.request_id not in self.queued:
+            if not o.finished:
                 continue
-            key, limit = self.queued.pop(o.request_id)
+            if o.request_id not in self.queued:  # (else `pending` would never end)
+                raise RuntimeError(f"vLLM finished request {o.request_id!r}, not one of "
+                                   f"eagle3x's {sorted(self.queued)[:4]}...")
+            key, limit, _ = self.queued.pop(o.request_id)
             c = o.outputs[0]
             reply = _cut(list(c.token_ids), self.stops, limit)
             got.append((key, Reply(reply.token_ids, c.finish_reason == "length")))
@@ -274,7 +276,8 @@ class VLLMGenerator(_Queued):
         """Abort every queued request (the engine forgets them)."""
         if self.queued and getattr(self, "llm", None) is not None:
             try:
-                self.llm.llm_engine.abort_request(list(self.queued))
+                self.llm.llm_engine.abort_request([q[2] for q in self.queued.values()],
+                                                  internal=True)
             except Exception:  # a dead engine has nothing to abort
                 pass
         self.queued.clear()
