@@ -104,9 +104,10 @@ def kept_by(stage: Optional[str], plan: RunPlan, settings: Eagle3xConfig) -> Opt
             convs = sum(c["conversations"] for c in m["chunks"])
             under_way = sum(len(read_part(out, int(f.name[6:11])))
                             for f in out.glob("chunk-*.part.jsonl"))
-            return (f"{convs + under_way} conversations regenerated ({len(m['chunks'])} whole "
-                    f"chunks{f', {under_way} in chunks under way' if under_way else ''}) in "
-                    f"{out}")
+            n, whole = convs + under_way, len(m["chunks"])
+            return (f"{n} conversation{'s' * (n != 1)} regenerated ({whole} whole "
+                    f"chunk{'s' * (whole != 1)}"
+                    f"{f', {under_way} in chunks under way' if under_way else ''}) in {out}")
         if stage == "train":
             return _checkpoint_kept(plan)
         if stage == "eval":

@@ -381,7 +381,8 @@ def regenerate(plan: RunPlan, settings: RegenerateConfig,
 def _kept(out: Path, m: Dict[str, Any], finished: int) -> str:
     """What a stopped run leaves (as `eagle3x.stopping.kept_by` says it)."""
     under_way = finished - sum(c["conversations"] for c in m["chunks"])
-    return (f"{finished} conversations regenerated ({len(m['chunks'])} whole chunks"
+    return (f"{finished} conversation{'s' * (finished != 1)} regenerated "
+            f"({len(m['chunks'])} whole chunk{'s' * (len(m['chunks']) != 1)}"
             f"{f', {under_way} in chunks under way' if under_way else ''}) in {out}")
 
 

@@ -179,7 +179,7 @@ def test_sigterm_mid_chunk_stops_soon_keeping_each_finished_conversation(cli, st
     kept = part_lines(part)
     assert 0 < len(kept) < 24, shown[-3000:]
     assert last.startswith("eagle3x: regenerate stopped by SIGTERM in chunk 0; kept: "
-                           f"{len(kept)} conversations regenerated"), last
+                           f"{len(kept)} conversation"), last
     assert "continue with: python -m eagle3x stage=regenerate" in last, last
     assert not json.loads((out / "manifest.json").read_text())["chunks"]
 
