@@ -157,6 +157,7 @@ class _Lines:
         self.t0 = self.last = time.perf_counter()
         self.postfix: Dict[str, Any] = {}
         self.lines = 0
+        self.shown = -1  # the count the last line showed
 
     def update(self, n: int) -> None:
         self.n += n
@@ -175,11 +176,14 @@ class _Lines:
         eta = (f", ETA {duration(took / done * (self.total - self.n))}"
                if done and self.total and self.n < self.total else "")
         self.lines += 1
+        self.shown = self.n
         logging.getLogger("eagle3x").info("%s: %d/%d %s%s%s, %s elapsed%s", self.desc, self.n,
                                           self.total, self.unit, pct, extra, duration(took), eta)
 
     def close(self) -> None:
-        if self.lines and self.last != -1.0:
+        # a last line only if something changed since the last one (else the same count
+        # twice, with two rates)
+        if self.lines and self.last != -1.0 and self.n != self.shown:
             self._line(time.perf_counter())
         self.last = -1.0
 

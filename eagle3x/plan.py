@@ -327,6 +327,7 @@ def resolve(cfg: Eagle3xConfig, run_dir: Optional[Path] = None,
     if original.fingerprint is not None:
         settings = config_record(cfg.regenerate)
         settings.pop("output_dir")
+        settings.pop("batch_size")  # how engine=hf batches; not what it writes
         regen_fp = artifacts.digest({"data": original.fingerprint, "format": original.format,
                                      "verifier": vref.fingerprint, "settings": settings,
                                      "chat_template_kwargs": kwargs,

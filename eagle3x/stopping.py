@@ -101,10 +101,17 @@ def kept_by(stage: Optional[str], plan: RunPlan, settings: Eagle3xConfig) -> Opt
                     + (f" (+{in_parts} in worker parts)" if in_parts else "")
                     + f" in {plan.hidden.folder}")
         if stage == "regenerate":
-            m = artifacts.read_manifest(plan.regenerated.folder)
+            from eagle3x.data.regenerate import read_part
+
+            out = plan.regenerated.folder
+            m = artifacts.read_manifest(out)
             convs = sum(c["conversations"] for c in m["chunks"])
-            return (f"{convs} conversations regenerated in {len(m['chunks'])} chunks in "
-                    f"{plan.regenerated.folder}")
+            under_way = sum(len(read_part(out, int(f.name[6:11])))
+                            for f in out.glob("chunk-*.part.jsonl"))
+            n, whole = convs + under_way, len(m["chunks"])
+            return (f"{n} conversation{'s' * (n != 1)} regenerated ({whole} whole "
+                    f"chunk{'s' * (whole != 1)}"
+                    f"{f', {under_way} in chunks under way' if under_way else ''}) in {out}")
         if stage == "train":
             return _checkpoint_kept(plan)
         if stage == "eval":

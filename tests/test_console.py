@@ -55,3 +55,28 @@ def test_without_a_log_file_nothing_is_redirected(capfd):
         print("still here")
         assert console.stream() is sys.stderr
     assert "still here" in capfd.readouterr().out
+
+
+def test_the_last_progress_line_comes_once(caplog):
+    """Off a terminal: a line per `every` seconds, and at the end one last line only when
+    the count moved since the last one (not the same count again with another rate)."""
+    import logging
+
+    from eagle3x import console
+
+    with caplog.at_level(logging.INFO, logger="eagle3x"):
+        bar = console._Lines(4, "regenerate", "conversations", 0, every=0.0)
+        bar.set_postfix(tok_s=10)
+        bar.update(3)
+        bar.set_postfix(tok_s=12)
+        bar.update(1)
+        bar.set_postfix(tok_s=11)
+        bar.close()
+        moved = console._Lines(4, "regenerate", "conversations", 0, every=0.0)
+        moved.update(2)
+        moved.every = 3600.0
+        moved.update(2)
+        moved.close()
+    shown = [r.getMessage().split(" conversations")[0] for r in caplog.records
+             if r.getMessage().startswith("regenerate: ")]
+    assert shown == ["regenerate: 3/4", "regenerate: 4/4", "regenerate: 2/4", "regenerate: 4/4"]

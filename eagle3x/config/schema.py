@@ -342,8 +342,13 @@ class RegenerateConfig:
     max_new_tokens: int = at_least(1, 1024, doc="At most this many tokens per reply.")
     seed: int = documented(0, "Sampling seed.")
     chunk_size: int = at_least(
-        1, 256, doc="Conversations per chunk: the unit written atomically and skipped on "
-        "resume.")
+        1, 256, doc="Conversations per chunk file (each written whole); within a chunk under "
+        "way every finished conversation is kept, so a stopped run resumes at the "
+        "conversation.")
+    batch_size: int = at_least(
+        1, 16, doc="engine=hf: replies decoded together in one left-padded batch (each ends "
+        "at its own stop token; greedy replies are the same at any size). vLLM schedules the "
+        "chunk's replies itself.")
     on_length: OnLength = documented(
         OnLength.keep, "A reply that hits max_new_tokens: keep it (marked) or drop the "
         "conversation.")

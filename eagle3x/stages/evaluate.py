@@ -167,34 +167,21 @@ def _hf_greedy(eng: Any, head: Any, prompts: Sequence[Sequence[int]], length: in
                batch: int = 16) -> List[List[int]]:
     """`length` greedy tokens after each prompt from a transformers engine's base model and
     the verifier's head (argmax: the family's logit scale and soft-cap keep it), past any
-    stop token. `batch` prompts at a time, left-padded (attention mask and positions say
-    where each starts), reusing the KV cache."""
-    import torch
+    stop token. `batch` prompts at a time through the generators' batched loop
+    (`eagle3x.engines.generate.decode`: left-padded, KV cache reused)."""
+    from eagle3x.engines.generate import Request, Sampling, decode
 
-    model, device = eng.model, eng.device
+    def forward(ids, mask, pos, cache):
+        res = eng.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                        past_key_values=cache, use_cache=True)
+        return res.last_hidden_state[:, -1].float().cpu() @ head.T, res.past_key_values
+
     out: List[List[int]] = []
-    with torch.inference_mode():
-        for at in range(0, len(prompts), batch):
-            group = [list(map(int, p)) for p in prompts[at:at + batch]]
-            width = max(map(len, group))
-            ids = torch.zeros(len(group), width, dtype=torch.long)
-            mask = torch.zeros(len(group), width, dtype=torch.long)
-            for i, p in enumerate(group):
-                ids[i, width - len(p):] = torch.tensor(p)
-                mask[i, width - len(p):] = 1
-            pos = (mask.cumsum(-1) - 1).clamp(min=0)
-            ids, mask, pos = ids.to(device), mask.to(device), pos.to(device)
-            cache, made = None, []
-            for _ in range(length):
-                res = model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                            past_key_values=cache, use_cache=True)
-                cache = res.past_key_values
-                tok = (res.last_hidden_state[:, -1].float().cpu() @ head.T).argmax(-1)
-                made.append(tok)
-                ids = tok[:, None].to(device)
-                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-                pos = pos[:, -1:] + 1
-            out += torch.stack(made, dim=1).tolist()
+    for at in range(0, len(prompts), batch):
+        group = [Request(k, p, length, 0) for k, p in enumerate(prompts[at:at + batch], at)]
+        done, _ = decode(forward, group, Sampling(0.0, 1.0, length, 0), set(), eng.device)
+        got = dict(done)
+        out += [got[r.key].token_ids for r in group]
     return out
 
 

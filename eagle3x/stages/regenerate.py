@@ -2,7 +2,9 @@
 
 Runs before prepare when ``data.responses=regenerated`` (then prepare reads the result), or
 on its own. Engine: vLLM offline with prefix caching (``engine=vllm``, the same ``engine.*``
-settings and tensor parallelism as extraction) or transformers (``engine=hf``).
+settings and tensor parallelism as extraction) or transformers (``engine=hf``,
+``regenerate.batch_size`` replies decoded together). SIGINT/SIGTERM stop it within one
+decode step, every finished conversation kept.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ def run(plan: RunPlan, regenerate: RegenerateConfig, engine: EngineConfig) -> Ou
 
         if engine.name is EngineName.hf:
             return HFGenerator(plan.verifier.path, engine.dtype, engine.device,
-                               plan.verifier.trust_remote_code, stops)
+                               plan.verifier.trust_remote_code, stops, regenerate.batch_size)
         return VLLMGenerator(plan.verifier.path, vllm_options(engine, plan.verifier),
                              context_length(plan), stops)
 

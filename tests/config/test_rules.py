@@ -51,6 +51,7 @@ BAD = {"data.holdout_samples": -1, "data.num_samples": 0, "engine.tensor_paralle
        "trainer.log_every_n_steps": 0, "eval.depth": 0, "eval.max_samples": 0,
        "eval.prompts": 0, "eval.max_new_tokens": 1, "regenerate.temperature": -1.0,
        "regenerate.top_p": 0.0, "regenerate.max_new_tokens": 0, "regenerate.chunk_size": 0,
+       "regenerate.batch_size": 0,
        "logger.mode": "sometimes", "hidden.prefetch": 0, "serve.port": 70000,
        "data.name": "not a hub name", "data.num_proc": 0, "data.chunk_size": 0,
        "engine.rpc_timeout": 0, "train.keep_checkpoints": -1, "train.progress_seconds": 0.0}

@@ -87,3 +87,23 @@ def test_a_reply_at_the_token_limit_is_marked_and_can_be_dropped(tiny_verifier):
                                        RegenerateConfig(max_new_tokens=2, on_length=OnLength.drop),
                                        {}, 2048)
     assert dropped == [] and counts["dropped"]["hit_length"] == 2
+
+
+def test_a_part_file_keeps_whole_lines_only(tmp_path):
+    """A kill while a line is written leaves it cut short: it is ignored when read, and cut
+    off before the next run appends, so the file stays one whole entry a line."""
+    import json
+
+    from eagle3x.data.regenerate import _Part, part_name, read_part
+
+    entries = [{"index": i, "record": None, "dropped": "empty_reply", "replies": 1,
+                "new_tokens": 0, "hit_length": 0, "empty": 1} for i in (3, 4, 5)]
+    text = "".join(json.dumps(e) + "\n" for e in entries[:2]) + json.dumps(entries[2])[:17]
+    (tmp_path / part_name(1)).write_text(text)
+    assert sorted(read_part(tmp_path, 1)) == [3, 4]
+    part = _Part(tmp_path, 1, 2)
+    part.add(entries[2])
+    part.close()
+    assert read_part(tmp_path, 1) == {e["index"]: e for e in entries}
+    assert all(json.loads(x) for x in (tmp_path / part_name(1)).read_text().splitlines())
+    assert read_part(tmp_path, 2) == {}

@@ -177,8 +177,12 @@ def test_an_rpc_timeout_during_regeneration_names_the_setting(cli, env, tmp_path
     assert line.startswith("eagle3x: regenerate stopped: the vllm engine failed during generate: "
                            "vLLM's worker did not answer `"), line
     assert "within engine.rpc_timeout=5s (RPC timeout" in line, line
-    assert (f"; kept: {sum(c['conversations'] for c in m['chunks'])} conversations regenerated "
-            f"in {chunks} chunks in {out}; ") in line, line
+    under_way = sum(len([x for x in p.read_text().split("\n") if x.endswith("}")])
+                    for p in out.glob("chunk-*.part.jsonl"))  # conversations of the next chunk
+    whole = sum(c['conversations'] for c in m['chunks'])
+    assert (f"; kept: {whole + under_way} conversations regenerated ({chunks} whole "
+            f"chunk{'s' * (chunks != 1)}"
+            f"{f', {under_way} in chunks under way' if under_way else ''}) in {out}; ") in line, line
     args = job.continued(line, "engine=hf")
     assert "engine.rpc_timeout=20" in args and "engine.rpc_timeout=5" not in args
     kept = {c["name"]: (out / c["name"]).stat().st_mtime_ns for c in m["chunks"]}

@@ -119,3 +119,86 @@ def test_a_thinking_template_round_trips_with_the_mask_on_the_reply(cli, store, 
             assert "think" not in reply and reply.endswith("<im_end>\\n"), text  # "<|im_end|>" less its |
     regenerated = next(store.glob("regenerated/*/conversations.jsonl")).read_text()
     assert "I do not know." not in regenerated  # the verifier's own replies were trained
+
+
+def varied_data(folder: Path, n: int = 24) -> Path:
+    """`n` conversations of one to three assistant turns (they finish at different times)."""
+    records = []
+    for i in range(n):
+        turns = [("user", f"{QUESTIONS[i % len(QUESTIONS)]} ({i})"), ("assistant", "No idea.")]
+        for _ in range(i % 3):
+            turns += [("user", "Try again."), ("assistant", "Still no idea.")]
+        records.append(messages_record(*turns))
+    return write_jsonl(folder / "varied.jsonl", records)
+
+
+def part_lines(path: Path) -> list:
+    try:
+        return [json.loads(x) for x in path.read_text().split("\n") if x.endswith("}")]
+    except (OSError, ValueError):
+        return []
+
+
+ENGINES = {"hf": ["engine=hf", "regenerate.batch_size=2"],
+           "vllm": ["engine=vllm", "engine.enforce_eager=true",
+                    "engine.gpu_memory_utilization=0.3"]}
+
+
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_sigterm_mid_chunk_stops_soon_keeping_each_finished_conversation(cli, store, tmp_path,
+                                                                         engine):
+    """SIGTERM while a chunk is under way: the run ends within 30 s with a non-zero status,
+    its last line names the command that continues; the conversations finished so far are
+    on disk, and the rerun takes them as they are (one is marked to see it) and regenerates
+    only the rest, to what an uninterrupted run writes (greedy)."""
+    if engine == "vllm":
+        pytest.importorskip("vllm")
+    data = varied_data(tmp_path)
+    common = ["stage=regenerate", *ENGINES[engine], f"data.path={data}", "data=jsonl",
+              "engine.dtype=float32", "regenerate.max_new_tokens=96"]
+    whole = cli(*common, f"regenerate.output_dir={tmp_path / 'whole'}")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    out = tmp_path / "stopped"
+    console = tmp_path / "console.txt"
+    env = dict(os.environ, EAGLE3X_ARTIFACTS=str(store))
+    proc = subprocess.Popen([sys.executable, "-m", "eagle3x", *common,
+                             f"regenerate.output_dir={out}"], cwd=tmp_path, env=env,
+                            stdout=open(console, "w"), stderr=subprocess.STDOUT)
+    part = out / "chunk-00000.part.jsonl"
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None and not part_lines(part):
+        time.sleep(0.02)
+    assert proc.poll() is None, console.read_text()[-3000:]
+    sent = time.time()
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(120)
+    took = time.time() - sent
+    shown = console.read_text()
+    assert code == 128 + signal.SIGTERM and took < 30, (code, took, shown[-3000:])
+    last = shown.strip().splitlines()[-1]
+    kept = part_lines(part)
+    assert 0 < len(kept) < 24, shown[-3000:]
+    assert last.startswith("eagle3x: regenerate stopped by SIGTERM in chunk 0; kept: "
+                           f"{len(kept)} conversation"), last
+    assert "continue with: python -m eagle3x stage=regenerate" in last, last
+    assert not json.loads((out / "manifest.json").read_text())["chunks"]
+
+    marked = next(e for e in kept if e["record"])
+    marked["record"]["messages"][1]["content"] = "kept from the stopped run"
+    part.write_text("".join(json.dumps(e) + "\n" for e in kept))
+    again = cli(*common, f"regenerate.output_dir={out}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"({len(kept)} conversations done)" in again.stdout + again.stderr
+    assert not part.exists()
+    got = [json.loads(x) for x in (out / "conversations.jsonl").read_text().splitlines()]
+    want = [json.loads(x) for x in (tmp_path / "whole" / "conversations.jsonl").read_text().splitlines()]
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        if g["source_line"] == marked["record"]["source_line"]:
+            assert g["messages"][1]["content"] == "kept from the stopped run"
+            assert g["messages"][2:] == w["messages"][2:]
+        else:
+            assert g == w
+    stats = json.loads((out / "manifest.json").read_text())["stats"]
+    assert stats == json.loads((tmp_path / "whole" / "manifest.json").read_text())["stats"] | {
+        "tokens_per_second": stats.get("tokens_per_second")}
