@@ -65,6 +65,7 @@ def test_every_config_key_has_a_doc_and_a_key_without_one_is_refused(monkeypatch
         docs.config_page()
 
 
+@pytest.mark.slow
 def test_the_site_builds_strictly(tmp_path):
     """A broken link, a missing anchor or a page left out of the nav fails the build (the
     dev extra installs mkdocs and mkdocs-material)."""
