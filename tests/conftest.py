@@ -43,24 +43,38 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
-@pytest.fixture(autouse=True)
-def _quick_tests_start_nothing(request, monkeypatch):
-    """In a test not marked slow, starting a process or an engine fails the test."""
-    if request.node.get_closest_marker("slow") is not None:
-        yield
-        return
-    from eagle3x.engines import watch
+_GUARD = pytest.StashKey[pytest.MonkeyPatch]()
 
-    def refuse(what: str):
-        def stop(*args, **kwargs):
-            # pytest's Failed is a BaseException: no `except Exception` of the code under
-            # test swallows it
-            pytest.fail(f"{request.node.nodeid} {what}: {MARK_IT}", pytrace=False)
-        return stop
 
-    monkeypatch.setattr(subprocess.Popen, "__init__", refuse("starts a process"))
-    monkeypatch.setattr(watch.StartWatch, "__enter__", refuse("starts an engine"))
+def _refuse(item, what: str):
+    def stop(*args, **kwargs):
+        # pytest's Failed is a BaseException: no `except Exception` of the code under test
+        # swallows it
+        pytest.fail(f"{item.nodeid} {what}: {MARK_IT}", pytrace=False)
+    return stop
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    """A test not marked slow starts no process and no engine, from its setup (fixtures of
+    every scope it sets up: a module's fixture that trains is caught too) to its teardown."""
+    if item.get_closest_marker("slow") is None:
+        from eagle3x.engines import watch
+
+        guard = pytest.MonkeyPatch()
+        guard.setattr(subprocess.Popen, "__init__", _refuse(item, "starts a process"))
+        guard.setattr(watch.StartWatch, "__enter__", _refuse(item, "starts an engine"))
+        item.stash[_GUARD] = guard
     yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    guard = item.stash.get(_GUARD, None)
+    if guard is not None:
+        guard.undo()
+        del item.stash[_GUARD]
 
 
 def _cache_dir(tmp_path_factory) -> Path:

@@ -3,6 +3,7 @@ file, eagle3x's lines and any ERROR stay on the console."""
 
 from __future__ import annotations
 
+import pytest
 import subprocess
 import sys
 import textwrap
@@ -34,6 +35,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_libraries_go_to_the_log_file_and_eagle3x_to_the_console(tmp_path):
     log_file = tmp_path / "eagle3x.log"
     r = subprocess.run([sys.executable, "-c", SCRIPT, str(log_file)], capture_output=True,

@@ -89,6 +89,7 @@ def named(tiny_verifier: Path, tmp_path: Path, arch: str) -> Path:
 @pytest.mark.parametrize("arch,needle", [
     ("Gemma3ForCausalLM", "SupportsEagle3"),
     ("Qwen2_5_VLForConditionalGeneration", "imports torchvision")])
+@pytest.mark.slow
 def test_a_known_family_vllm_cannot_take_is_refused_at_startup_without_importing_vllm(
         cli, tiny_verifier, tmp_path, arch, needle):
     if "torchvision" in needle and importlib.util.find_spec("torchvision") is not None:

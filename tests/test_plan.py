@@ -81,6 +81,7 @@ def test_describe_is_json_and_names_every_folder(store, data):
     assert d["prepared"]["exists"] is False
 
 
+@pytest.mark.slow
 def test_plan_flag_prints_the_plan_and_runs_nothing(cli, store, data):
     r = cli("--plan", "stage=train", f"data.path={data}")
     assert r.returncode == 0, r.stderr
@@ -90,6 +91,7 @@ def test_plan_flag_prints_the_plan_and_runs_nothing(cli, store, data):
     assert not store.exists()
 
 
+@pytest.mark.slow
 def test_plan_flag_shows_each_sweep_job_with_the_shared_extraction(cli, store, data):
     r = cli("--plan", "-m", "stage=all", f"data.path={data}", "data.holdout_samples=4",
             "data.num_samples=5,10")
@@ -217,6 +219,7 @@ def _count_opens(monkeypatch, path: Path) -> list:
     return opened
 
 
+@pytest.mark.slow
 def test_stage_all_opens_the_data_file_twice_and_a_reusing_run_never(
         store, tiny_verifier, monkeypatch, tmp_path):
     """`stage=all` in-process (validation, then every stage): the data file is opened once

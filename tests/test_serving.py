@@ -157,6 +157,7 @@ SGLANG_EAGLE3_LLAMA = {"LlamaForCausalLMEagle3"}
                                           ("fc_norm", True), ("norm_before_residual", True),
                                           ("norm_output", True), ("num_layers", 2),
                                           ("sliding_window", 64)])
+@pytest.mark.slow
 def test_a_draft_sglang_would_compute_otherwise_is_named_so_sglang_refuses_it(option, value):
     """Every export loads in vLLM (its registry, read from the installed package, maps
     both names to llama_eagle3's Eagle3LlamaForCausalLM); only a draft SGLang computes as

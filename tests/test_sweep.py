@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import json
 import subprocess
 import sys
 
 
+@pytest.mark.slow
 def test_three_point_sweep_extracts_once_and_compares(cli, store, tmp_path):
     r = cli("-m", "stage=all", "engine=hf", "logger=wandb", "data.num_samples=60,20,40",
             "trainer.max_steps=20", "train.ttt_steps=2", "eval.depth=2")

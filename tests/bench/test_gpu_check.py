@@ -8,9 +8,12 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_gpu_check_smoke_writes_every_figure(tmp_path, cache_dir):
     r = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--smoke", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=900,

@@ -13,8 +13,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 smollm2 = pytest.importorskip("smollm2")  # bench/smollm2.py (imports nothing heavy)
 
-pytestmark = pytest.mark.skipif(smollm2.missing() is not None,
-                                reason=str(smollm2.missing()))
+pytestmark = [pytest.mark.skipif(smollm2.missing() is not None, reason=str(smollm2.missing())),
+              pytest.mark.slow]  # builds and runs a 135M-parameter model
 
 
 @pytest.fixture(scope="module")

@@ -56,6 +56,7 @@ def fake_nvidia_smi(folder: Path, rows: str) -> dict:
             "CUDA_VISIBLE_DEVICES": "0,1"}
 
 
+@pytest.mark.slow
 def test_gpu_memory_share_checked_on_every_rank(cli, tmp_path):
     env = fake_nvidia_smi(tmp_path, "0, 81920, 81000\\n1, 81920, 40000\\n")
     refused(cli("stage=extract", "engine.tensor_parallel_size=2",

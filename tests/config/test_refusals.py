@@ -169,6 +169,7 @@ def test_num_samples_beyond_data(cli):
     refused(cli("stage=prepare", "data.num_samples=100000"), "holds 320")
 
 
+@pytest.mark.slow
 def test_refusal_imports_no_heavy_library(cli):
     r = subprocess.run([sys.executable, "-X", "importtime", "-m", "eagle3x", "stage=extract",
                         "extract.data_path=/x"], cwd=cli.cwd, capture_output=True, text=True)
@@ -179,6 +180,7 @@ def test_refusal_imports_no_heavy_library(cli):
     assert not imported & set(HEAVY), imported & set(HEAVY)
 
 
+@pytest.mark.slow
 def test_cfg_job_prints_config_without_stage(cli):
     r = cli("--cfg", "job")
     assert r.returncode == 0, r.stderr
@@ -189,6 +191,7 @@ def test_cfg_job_still_refuses_unknown_keys(cli):
     refused(cli("--cfg", "job", "extract.data_path=/x"), "extract.prepared_data")
 
 
+@pytest.mark.slow
 def test_help_works(cli):
     r = cli("--help")
     assert r.returncode == 0 and "stage" in r.stdout

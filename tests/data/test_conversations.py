@@ -124,6 +124,7 @@ def snapshot(root: Path) -> dict:
             for p in root.rglob("*") if p.is_file() and not p.name.endswith(".lock")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first", [True, False], ids=["first-line-at-startup", "later-line-in-prepare"])
 def test_a_malformed_tool_call_is_refused_and_nothing_is_written(cli, store, tmp_path,
                                                                  tiny_verifier, first):
@@ -138,6 +139,7 @@ def test_a_malformed_tool_call_is_refused_and_nothing_is_written(cli, store, tmp
     assert snapshot(store) == {}  # no artifact, no scratch chunks left
 
 
+@pytest.mark.slow
 def test_tool_and_reasoning_conversations_prepare_on_the_tiny_default(cli, store, tmp_path,
                                                                       tiny_verifier):
     """The embedded tiny template renders neither reasoning nor tool calls: prepare says so

@@ -64,6 +64,7 @@ def assert_same_batches(a: list, b: list, rel: float) -> float:
     return worst
 
 
+@pytest.mark.slow
 def test_online_batches_are_the_offline_batches_with_the_hf_engine(cli, store):
     off, on = datamodules(cli, store, "engine=hf")
     try:
@@ -104,6 +105,7 @@ def test_online_batches_are_the_offline_batches_with_a_real_vllm_engine(cli, sto
     assert not [p for p in run_dir.rglob("*") if "scratch" in p.name]  # nothing left behind
 
 
+@pytest.mark.slow
 def test_stage_all_online_stores_no_hidden_states_and_reports_the_wait(cli, store, tmp_path):
     run = tmp_path / "run"
     r = cli("stage=all", "hidden=online", "engine=hf", "experiment=tiny", "logger=none",
@@ -118,6 +120,7 @@ def test_stage_all_online_stores_no_hidden_states_and_reports_the_wait(cli, stor
     assert "the trainer waited" in r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_a_sweep_over_sample_counts_trains_online_job_after_job(cli, store, tmp_path):
     """-m over data.num_samples with hidden=online: each job opens and closes its own
     engine in the one process, trains on its count, and nothing is stored."""
@@ -135,6 +138,7 @@ def test_a_sweep_over_sample_counts_trains_online_job_after_job(cli, store, tmp_
     assert not (store / "hidden").exists()
 
 
+@pytest.mark.slow
 def test_online_training_resumed_continues_with_the_same_batches(cli, store, tmp_path):
     """A 12-step run, and a run resumed from its step-6 checkpoint: the same weights (the
     online engine makes the same batches for the same steps)."""
@@ -159,8 +163,9 @@ def folder(path):
     return path
 
 
+@pytest.mark.slow
 def test_what_online_cannot_do_is_refused_at_startup(cli, store, tmp_path):
-    from tests.config.test_machine_checks import fake_nvidia_smi, passes
+    from tests.checks.test_machine import fake_nvidia_smi, passes
     from tests.config.test_refusals import refused
 
     # several training processes: each owns an engine; vLLM's would share the GPUs

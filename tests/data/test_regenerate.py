@@ -3,6 +3,7 @@ continuation of the conversation so far, earlier turns already regenerated."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from eagle3x.config.schema import RegenerateConfig, Turns
@@ -30,6 +31,7 @@ def greedy(model, ids, limit, stops):
     return out
 
 
+@pytest.mark.slow
 def test_every_turn_is_the_verifiers_greedy_reply_to_the_regenerated_past(tiny_verifier):
     from transformers import AutoModelForCausalLM
 
@@ -59,6 +61,7 @@ def test_every_turn_is_the_verifiers_greedy_reply_to_the_regenerated_past(tiny_v
             assert m["content"] == want and m["content"] != conv.messages[i]["content"]
 
 
+@pytest.mark.slow
 def test_last_turn_only_keeps_the_earlier_replies(tiny_verifier):
     from eagle3x.data.regenerate import regenerate_chunk
     from eagle3x.engines.generate import HFGenerator, stop_ids
@@ -73,6 +76,7 @@ def test_last_turn_only_keeps_the_earlier_replies(tiny_verifier):
     assert got[3]["content"] != CONVS[0].messages[3]["content"]
 
 
+@pytest.mark.slow
 def test_a_reply_at_the_token_limit_is_marked_and_can_be_dropped(tiny_verifier):
     from eagle3x.config.schema import OnLength
     from eagle3x.data.regenerate import regenerate_chunk

@@ -4,6 +4,7 @@ conversation's tools, and the original author's reasoning goes with the replaced
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from eagle3x.config.schema import RegenerateConfig
@@ -13,6 +14,7 @@ from tests.data.test_regenerate import greedy
 from eagle3x.testing import chat_zoo
 
 
+@pytest.mark.slow
 def test_tool_calls_are_kept_and_replies_regenerated(tiny_verifier):
     from transformers import AutoModelForCausalLM
 

@@ -23,6 +23,7 @@ def conversations(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("conv") / "agentic.jsonl", chat_zoo.dataset(12))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_prepare_extract_train_eval(name, store, tmp_path, cache_dir, tiny_verifier,
                                     conversations):

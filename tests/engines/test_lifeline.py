@@ -29,6 +29,7 @@ def watching(proc: subprocess.Popen, title: str = "VLLM::EngineCore"):
     return processes
 
 
+@pytest.mark.slow
 def test_a_wait_on_a_dead_process_ends_with_its_name_after_the_grace():
     proc = child()
     try:
@@ -44,6 +45,7 @@ def test_a_wait_on_a_dead_process_ends_with_its_name_after_the_grace():
         proc.wait()
 
 
+@pytest.mark.slow
 def test_a_living_process_and_a_finished_block_are_left_alone():
     proc = child()
     try:
@@ -63,6 +65,7 @@ def test_a_living_process_and_a_finished_block_are_left_alone():
         proc.kill()
 
 
+@pytest.mark.slow
 def test_a_process_already_gone_when_the_block_starts_is_an_engine_closed_before():
     old = child()
     old.kill()
@@ -74,6 +77,7 @@ def test_a_process_already_gone_when_the_block_starts_is_an_engine_closed_before
         old.wait()
 
 
+@pytest.mark.slow
 def test_a_death_before_the_first_poll_is_caught():
     """The processes are listed as the block starts: a worker that dies on the block's
     first call, before the watcher's first look, is seen."""
@@ -88,6 +92,7 @@ def test_a_death_before_the_first_poll_is_caught():
         proc.wait()
 
 
+@pytest.mark.slow
 def test_vllms_own_error_within_the_grace_comes_through_unchanged():
     proc = child()
     try:
@@ -100,6 +105,7 @@ def test_vllms_own_error_within_the_grace_comes_through_unchanged():
         proc.wait()
 
 
+@pytest.mark.slow
 def test_outside_the_main_thread_the_block_runs_unguarded():
     proc = child()
     got = []
@@ -120,6 +126,7 @@ def test_outside_the_main_thread_the_block_runs_unguarded():
         proc.wait()
 
 
+@pytest.mark.slow
 def test_a_vllm_block_of_failing_as_has_a_lifeline_and_its_cause_names_the_process(monkeypatch):
     """failing_as("vllm", ...) guards with the default watcher (VLLM::-titled processes
     under this one); the stage's cause line names the dead process."""
@@ -143,6 +150,7 @@ def test_a_vllm_block_of_failing_as_has_a_lifeline_and_its_cause_names_the_proce
         proc.wait()
 
 
+@pytest.mark.slow
 def test_the_default_watcher_lists_vllm_titled_descendants_and_sees_them_die():
     plain, titled = child("sleeper"), child("VLLM::EngineCore")
     try:

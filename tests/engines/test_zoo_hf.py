@@ -118,6 +118,7 @@ def test_read_info(name, zoo_dir):
     assert default_aux_layers(info.num_layers) == [1, 3, 4]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", _known("aux"))
 def test_aux_is_the_chosen_layers_outputs(name, run):
     r = run(name)
@@ -137,6 +138,7 @@ def test_aux_is_the_chosen_layers_outputs(name, run):
                 assert d > WRONG, f"{name}: layer {k}'s aux equals hidden_states[{other}]"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", _known("last"))
 def test_last_is_what_the_lm_head_reads(name, run):
     from eagle3x.weights import rms_norm
@@ -172,6 +174,7 @@ def test_last_is_what_the_lm_head_reads(name, run):
 @pytest.mark.parametrize("name,only", [("llama", None),
                                        ("deepseek_v3", r"mlp\.experts\.\d+\.")],
                          ids=["llama-all-linear", "deepseek_v3-routed-experts"])
+@pytest.mark.slow
 def test_a_w4a16_checkpoint_extracts_what_its_dequantized_weights_give(name, only, cache_dir,
                                                                       tiny_verifier):
     """A compressed-tensors W4A16 checkpoint (int4 groups of 32; every linear layer, or
@@ -209,6 +212,7 @@ def test_a_w4a16_checkpoint_extracts_what_its_dequantized_weights_give(name, onl
     assert _scale_diff(full[0][1].float(), got[1][0][1].float()) > WRONG
 
 
+@pytest.mark.slow
 def test_a_checkpoint_missing_weights_is_refused_not_filled_at_random(tiny_verifier, tmp_path):
     """transformers initialises what a checkpoint lacks at random and goes on; the hf
     engine stops, naming the parameters (here a layer's MLP weight left out)."""

@@ -113,6 +113,7 @@ def prepared_store(tmp_path_factory, tiny_verifier, cache_dir):
     return root / "artifacts"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,build,code,needle", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_is_refused_and_nothing_is_written(name, build, code, needle, cli, store, tmp_path,
                                                      tiny_verifier, prepared_store):
@@ -131,6 +132,7 @@ def test_bad_input_is_refused_and_nothing_is_written(name, build, code, needle, 
     assert snapshot(store) == before
 
 
+@pytest.mark.slow
 def test_long_sample_is_truncated_and_counted_not_refused(cli, store, tmp_path, tiny_verifier):
     long = json.dumps(messages_record(("user", "x"), ("assistant", "word " * 500)))
     r = cli("stage=prepare", data_file(tmp_path, [long, GOOD]), "extract.max_seq_len=32")

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_sigkill_during_prepare_then_rerun_gives_identical_data(cli, store, tmp_path, tiny_verifier):
     from eagle3x.data.prepared import load
     from tests.helpers import stage_output
@@ -53,6 +54,7 @@ def test_sigkill_during_prepare_then_rerun_gives_identical_data(cli, store, tmp_
         np.testing.assert_array_equal(again[k], ref[k])
 
 
+@pytest.mark.slow
 def test_two_extractions_into_one_folder_wait_and_leave_it_whole(cli, store, tmp_path, tiny_verifier):
     from eagle3x.data.shards import ShardReader
 
@@ -89,6 +91,7 @@ def test_trust_remote_code_is_off_unless_asked():
     assert not any("trust_remote_code=True" in p.read_text() for p in src)
 
 
+@pytest.mark.slow
 def test_no_secret_reaches_configs_logs_or_summaries(cli, store, tmp_path):
     secret = "wandb-key-0123456789abcdef-SECRET"
     run = tmp_path / "run"

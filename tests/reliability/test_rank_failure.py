@@ -56,6 +56,9 @@ class Runs:
         return proc, console
 
 
+pytestmark = pytest.mark.slow  # several training processes (their module fixtures)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, cache_dir, tiny_verifier) -> Runs:
     return Runs(tmp_path_factory.mktemp("ranks"), cache_dir)

@@ -109,6 +109,7 @@ def assert_close_states(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) 
         assert err < 1e-4, (k, float(err))
 
 
+@pytest.mark.slow
 def test_two_processes_train_what_one_process_with_the_same_global_batch_trains(one, two):
     wandb_dir = two / "wandb"
     # the W&B run is rank 0's: its metrics are the global batch's (summed over ranks)
@@ -120,6 +121,7 @@ def test_two_processes_train_what_one_process_with_the_same_global_batch_trains(
     assert_close_states(state(one), state(two))
 
 
+@pytest.mark.slow
 def test_the_rank_lightning_starts_runs_the_job_in_its_folder_and_writes_nothing_of_rank_0s(
         one, two, runs):
     job = runs.root / JOB
@@ -131,6 +133,7 @@ def test_the_rank_lightning_starts_runs_the_job_in_its_folder_and_writes_nothing
     assert sorted(p.name for p in (two / "checkpoints").iterdir())[-1] == "step000012.ckpt"
 
 
+@pytest.mark.slow
 def test_per_step_losses_of_one_and_two_processes_agree(one, runs):
     two_csv = runs.train("two_csv", *TWO)
     a, b = logged(one, "train/loss"), logged(two_csv, "train/loss")
@@ -143,6 +146,7 @@ def test_per_step_losses_of_one_and_two_processes_agree(one, runs):
     assert ga == pytest.approx(gb, rel=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("before,after", [("two", "one"), ("one", "two")])
 def test_a_run_killed_on_one_world_size_resumes_on_another_with_the_same_batches(
         runs, one, before, after):
@@ -152,6 +156,7 @@ def test_a_run_killed_on_one_world_size_resumes_on_another_with_the_same_batches
     assert_close_states(state(one), state(resumed))
 
 
+@pytest.mark.slow
 def test_resuming_with_another_global_batch_is_refused_with_the_numbers(runs, one, tmp_path):
     r = runs.run(*COMMON, "trainer.devices=1", "train.batch_size=2", "logger=none",
                  f"train.resume={one / 'checkpoints' / 'last.ckpt'}",
@@ -161,6 +166,7 @@ def test_resuming_with_another_global_batch_is_refused_with_the_numbers(runs, on
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_a_sweep_whose_jobs_train_on_two_processes_keeps_each_rank_in_its_job(runs):
     r = runs.run("-m", *[c for c in COMMON if not c.startswith("trainer.max_steps")], *TWO,
                  "trainer.max_steps=2", "train.seed=0,1", "hydra.sweep.dir=sweep")
@@ -172,6 +178,7 @@ def test_a_sweep_whose_jobs_train_on_two_processes_keeps_each_rank_in_its_job(ru
         assert (j / "draft" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_the_long_sequence_paths_train_what_the_short_ones_train(runs, one):
     """Blocks of 16 positions and loss chunks of 64, through a real Trainer (packed
     batches, recompute in backward): the draft the default settings train."""
@@ -179,6 +186,7 @@ def test_the_long_sequence_paths_train_what_the_short_ones_train(runs, one):
     assert_close_states(state(one), state(run))
 
 
+@pytest.mark.slow
 def test_two_processes_online_each_make_only_their_own_batches(runs, one):
     """hidden=online on two processes: each rank's engine makes its own micro-batches and
     its share of the held-out samples, none twice, and they train what one process reading

@@ -95,6 +95,7 @@ def _run_until_shards(cmd, cwd, folder: Path, shards: int, sig: int) -> subproce
     return proc
 
 
+@pytest.mark.slow
 def test_sigkill_then_rerun_finishes_identically_without_redoing_shards(cli, prepared, tmp_path):
     killed = tmp_path / "killed"
     proc = _run_until_shards(_extract_cmd(killed), cli.cwd, killed, 3, signal.SIGKILL)
@@ -117,6 +118,7 @@ def test_sigkill_then_rerun_finishes_identically_without_redoing_shards(cli, pre
     assert not list(killed.glob(".shard-*"))
 
 
+@pytest.mark.slow
 def test_sigterm_writes_a_last_whole_shard_and_resumes(cli, prepared, tmp_path):
     out = tmp_path / "h"
     proc = _run_until_shards(_extract_cmd(out), cli.cwd, out, 2, signal.SIGTERM)
@@ -129,6 +131,7 @@ def test_sigterm_writes_a_last_whole_shard_and_resumes(cli, prepared, tmp_path):
     assert r.returncode == 0 and manifest(out)["samples"] == 320
 
 
+@pytest.mark.slow
 def test_more_samples_extracts_only_the_missing_ones(cli, prepared, tmp_path):
     out = tmp_path / "h"
     r1 = cli("stage=extract", "engine=hf", "data.num_samples=30", f"extract.output_dir={out}")
@@ -144,6 +147,7 @@ def test_more_samples_extracts_only_the_missing_ones(cli, prepared, tmp_path):
     assert "reusing hidden states" in r3.stdout + r3.stderr
 
 
+@pytest.mark.slow
 def test_corrupt_and_truncated_shards_are_named_and_reextracted(cli, prepared, tmp_path):
     out = tmp_path / "h"
     args = ["stage=extract", "engine=hf", "data.num_samples=40", "extract.shard_tokens=1000",
@@ -170,6 +174,7 @@ def test_corrupt_and_truncated_shards_are_named_and_reextracted(cli, prepared, t
         ShardReader(out)
 
 
+@pytest.mark.slow
 def test_other_aux_layers_into_the_same_folder_refused_at_startup(cli, prepared, tmp_path):
     out = tmp_path / "h"
     assert cli("stage=extract", "engine=hf", "data.num_samples=8", f"extract.output_dir={out}").returncode == 0
@@ -178,6 +183,7 @@ def test_other_aux_layers_into_the_same_folder_refused_at_startup(cli, prepared,
     assert r.returncode == 2 and "another verifier, aux layers" in r.stderr
 
 
+@pytest.mark.slow
 def test_manifest_cannot_point_outside_its_folder(cli, prepared, tmp_path):
     out = tmp_path / "h"
     assert cli("stage=extract", "engine=hf", "data.num_samples=8", f"extract.output_dir={out}").returncode == 0
@@ -188,6 +194,7 @@ def test_manifest_cannot_point_outside_its_folder(cli, prepared, tmp_path):
         ShardReader(out)
 
 
+@pytest.mark.slow
 def test_manifest_records_the_contract(cli, prepared, tmp_path):
     out = tmp_path / "h"
     assert cli("stage=extract", "engine=hf", "data.num_samples=12", f"extract.output_dir={out}").returncode == 0
@@ -206,6 +213,7 @@ def test_manifest_records_the_contract(cli, prepared, tmp_path):
         assert offs.dtype == torch.int64 and int(offs[-1]) == f.get_tensor("input_ids").numel()
 
 
+@pytest.mark.slow
 def test_datamodule_builds_missing_shards_and_batches_them(store, tiny_verifier):
     from eagle3x.data.datamodule import HiddenStateDataModule
 

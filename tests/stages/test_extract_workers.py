@@ -93,6 +93,7 @@ def test_the_worker_index_comes_from_the_setting_then_slurm_then_torchrun():
             extract_worker(4, worker, env)
 
 
+@pytest.mark.slow
 def test_joblib_workers_give_the_one_process_extraction(cli, reference, tmp_path):
     out = tmp_path / "many"
     cmd = extract_cmd(out, "extract.workers=2", "extract.worker=0,1", "hydra/launcher=joblib")
@@ -108,6 +109,7 @@ def test_joblib_workers_give_the_one_process_extraction(cli, reference, tmp_path
     assert_same_as(out, reference)
 
 
+@pytest.mark.slow
 def test_a_killed_worker_rerun_alone_redoes_nothing_finished(cli, reference, tmp_path):
     out = tmp_path / "h"
 
@@ -150,6 +152,7 @@ def test_a_killed_worker_rerun_alone_redoes_nothing_finished(cli, reference, tmp
     assert_same_as(out, reference)
 
 
+@pytest.mark.slow
 def test_training_waits_for_a_running_worker_and_finishes_the_round(cli, reference, tmp_path):
     out = tmp_path / "h"
     part0 = out / "parts" / f"{PARTS[0][0]:010d}-{PARTS[0][1]:010d}"
@@ -211,6 +214,7 @@ def test_a_round_joined_but_not_cleaned_up_is_recognised(tmp_path):
     assert not (tmp_path / "round.json").exists()
 
 
+@pytest.mark.slow
 def test_a_run_that_needs_only_the_joined_prefix_does_not_wait_for_a_round(cli, prepared,  # noqa: F811
                                                                            tmp_path):
     out = tmp_path / "h"

@@ -67,6 +67,7 @@ def _prepare(cli, path, *extra):
     return load(stage_output(r, "prepare"))
 
 
+@pytest.mark.slow
 def test_both_jsonl_shapes_give_identical_prepared_data(cli, tmp_path, tiny_verifier):
     a = _prepare(cli, write_jsonl(tmp_path / "m.jsonl", [messages_record(*c) for c in CONVS]))
     b = _prepare(cli, write_jsonl(tmp_path / "s.jsonl", [sharegpt_record(*c) for c in CONVS]))
@@ -75,6 +76,7 @@ def test_both_jsonl_shapes_give_identical_prepared_data(cli, tmp_path, tiny_veri
     assert a["n"] == 3 and a["manifest"]["stats"]["loss_tokens"] == int(a["loss_mask"].sum())
 
 
+@pytest.mark.slow
 def test_seeded_order_is_stable_and_changes_with_seed(cli, tmp_path, tiny_verifier):
     recs = [messages_record(("user", f"q{i}"), ("assistant", f"a{i}")) for i in range(20)]
     path = write_jsonl(tmp_path / "d.jsonl", recs)
@@ -86,6 +88,7 @@ def test_seeded_order_is_stable_and_changes_with_seed(cli, tmp_path, tiny_verifi
     assert first.tolist() != other.tolist()
 
 
+@pytest.mark.slow
 def test_long_sample_is_truncated_and_counted_not_an_error(cli, tmp_path, tiny_verifier):
     long = messages_record(("user", "hello"), ("assistant", "word " * 400))
     data = _prepare(cli, write_jsonl(tmp_path / "d.jsonl", [long]), "extract.max_seq_len=64")
@@ -116,6 +119,7 @@ def test_non_utf8_line_is_named(tmp_path):
         list(iter_conversations(path))
 
 
+@pytest.mark.slow
 def test_malformed_later_line_fails_the_stage_and_writes_nothing(cli, store, tmp_path, tiny_verifier):
     good = messages_record(("user", "a"), ("assistant", "b"))
     path = write_jsonl(tmp_path / "d.jsonl", [good, good, "{oops"])
@@ -157,6 +161,7 @@ def test_mapping_is_consistent_for_random_counts():
     assert counts[target].min() >= np.sort(counts)[::-1][63]
 
 
+@pytest.mark.slow
 def test_vocab_stage_counts_trained_tokens_of_the_sample_prefix(cli, tmp_path, tiny_verifier):
     from eagle3x.data import prepared
     from eagle3x.stages import vocab

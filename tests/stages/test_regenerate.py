@@ -34,6 +34,7 @@ def args(data: Path, out: Path, *extra: str, engine: str = "hf") -> list:
             f"regenerate.output_dir={out}", *extra]
 
 
+@pytest.mark.slow
 def test_killed_regeneration_resumes_without_redoing_a_finished_chunk(cli, store, tmp_path):
     data = small_data(tmp_path)
     whole = cli(*args(data, tmp_path / "whole"))
@@ -89,6 +90,7 @@ THINKING = ("{{ bos_token }}{% for m in messages %}{{ '<|im_start|>' + m['role']
             "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}")
 
 
+@pytest.mark.slow
 def test_a_thinking_template_round_trips_with_the_mask_on_the_reply(cli, store, tmp_path,
                                                                     tiny_verifier):
     verifier = tmp_path / "thinking-verifier"

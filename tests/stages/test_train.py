@@ -77,6 +77,7 @@ def untrained_report(overrides: list) -> dict:
                     settings.eval.max_samples)
 
 
+@pytest.mark.slow
 def test_stage_all_trains_a_draft_well_above_the_untrained_one(full_run):
     run, r = full_run.run, full_run.result
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
@@ -127,6 +128,7 @@ def test_export_has_the_layout_vllm_reads(fast_run):
     assert bool(t2d[torch.arange(256) + d2t].all())
 
 
+@pytest.mark.slow
 def test_export_stage_rebuilds_the_same_draft_from_the_checkpoint(fast_run):
     run = fast_run.run
     assert fast_run.result.returncode == 0
@@ -179,6 +181,7 @@ def _wait_for(proc: subprocess.Popen, path: Path, timeout: float = 300) -> None:
     assert proc.poll() is None, "training ended before it could be stopped"
 
 
+@pytest.mark.slow
 def test_killed_training_resumes_at_the_same_step_with_the_same_data(forty):
     assert forty.result.returncode == 0, forty.result.stderr[-3000:]
     killed = forty.root / "killed"
@@ -201,6 +204,7 @@ def test_killed_training_resumes_at_the_same_step_with_the_same_data(forty):
 GRACE_SECONDS = 30
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_the_step_under_way_and_the_printed_command_resumes_it(forty):
     """What a scheduler's preemption does (SLURM sends SIGTERM first): a checkpoint of the
     step under way, one console line, a non-zero status; the command the line prints
@@ -245,6 +249,7 @@ def test_sigterm_checkpoints_the_step_under_way_and_the_printed_command_resumes_
     assert whole == names  # the uninterrupted run keeps the same files
 
 
+@pytest.mark.slow
 def test_resume_from_an_explicit_checkpoint_path(fast_run, tmp_path):
     run = fast_run.run
     assert fast_run.result.returncode == 0
@@ -256,6 +261,7 @@ def test_resume_from_an_explicit_checkpoint_path(fast_run, tmp_path):
     _assert_same_training(run, other)
 
 
+@pytest.mark.slow
 def test_token_sized_batches_train_resume_exactly_and_report_the_loops_speed(cli, store,
                                                                              tmp_path):
     """train.max_tokens: one packed row of 600 tokens per step; resumed from step 6's
@@ -446,6 +452,7 @@ def test_vllms_draft_computes_what_eagle3x_trained_and_the_check_sees_each_mista
         assert max(errors["aux_features"], errors["step0_logits"]) > 1e-2, (name, errors)
 
 
+@pytest.mark.slow
 def test_the_console_shows_the_run_and_the_log_file_the_libraries(full_run):
     r = full_run.result
     shown = r.stdout + r.stderr
@@ -465,6 +472,7 @@ def test_the_console_shows_the_run_and_the_log_file_the_libraries(full_run):
     assert len(lines) < 30, shown
 
 
+@pytest.mark.slow
 def test_off_a_terminal_training_prints_progress_lines_to_the_console_and_the_log(fast_run):
     """A captured console is not a terminal (as a job log, nohup or SLURM): a progress line
     replaces the bar, on the console and in eagle3x.log; Lightning's own bar stays out."""
@@ -480,6 +488,7 @@ def test_off_a_terminal_training_prints_progress_lines_to_the_console_and_the_lo
     assert line.search(logged) and "Epoch 0/" not in logged
 
 
+@pytest.mark.slow
 def test_trainer_settings_lightning_refuses_stop_the_run_before_prepare_and_extract(cli, store):
     r = cli("stage=train", "engine=hf", "logger=none", "trainer.precision=17")
     assert r.returncode == 2, r.stderr[-2000:]

@@ -51,6 +51,7 @@ def test_mostly_unseen_is_more_than_half_never_trained():
     assert not mostly_unseen(1000, 500) and not mostly_unseen(256, 300)
 
 
+@pytest.mark.slow
 def test_auto_vocab_stage_records_how_it_chose(cli, tiny_verifier):
     from eagle3x import artifacts
     from eagle3x.stages import vocab
@@ -74,6 +75,7 @@ def few_conversations(tmp_path, n=6):
         for i in range(n)])
 
 
+@pytest.mark.slow
 def test_a_mostly_unseen_fixed_vocab_is_refused_once_the_prepared_data_proves_it(cli, tmp_path,
                                                                          tiny_verifier):
     data = ["data=jsonl", f"data.path={few_conversations(tmp_path)}", "data.holdout_samples=1"]
@@ -91,6 +93,7 @@ def test_a_mostly_unseen_fixed_vocab_is_refused_once_the_prepared_data_proves_it
     assert ok.returncode == 0, ok.stderr
 
 
+@pytest.mark.slow
 def test_the_vocab_stage_warns_when_the_split_shows_too_few_tokens(cli, tiny_verifier):
     # 5 training samples of the bundled data: far fewer distinct tokens than 1000, but
     # the whole prepared data holds more than 2000 trained tokens (no startup proof).
