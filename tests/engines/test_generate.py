@@ -9,16 +9,18 @@ import torch
 
 PROMPTS = ["What is 12 plus 30?", "Hi", "Spell garden backwards, then tell me why gardens grow.",
            "Is 7 prime?", "Name a colour.", "How many metres are in 3 km? Think it through."]
-LIMITS = [40, 5, 40, 25, 40, 33]
+LIMITS = [40, 5, 40, 6, 40, 12]
 
 
 @pytest.fixture(scope="module")
 def setup(tiny_verifier):
+    from eagle3x.data.chat import render
     from eagle3x.engines.generate import stop_ids
     from eagle3x.verifier import load_tokenizer
 
     tok = load_tokenizer(tiny_verifier)
-    prompts = [tok(p).input_ids for p in PROMPTS]
+    prompts = [tok(render(tok, [{"role": "user", "content": p}], True),
+                   add_special_tokens=False).input_ids for p in PROMPTS]
     return tok, prompts, stop_ids(tiny_verifier, tok)
 
 
@@ -63,7 +65,9 @@ def test_a_stopped_step_keeps_what_finished_and_requeues_the_rest(tiny_verifier,
                sampling)
     first = dict(gen.step(on_step))
     assert len(steps) == 6 and 0 < gen.pending() < len(prompts)
-    assert set(first) == {k for k in range(len(prompts)) if len(whole[k].token_ids) < 6}
+    # a row ends at the step that makes its stop token (one past its reply) or its last token
+    ends = [len(r.token_ids) + (not r.hit_length) for r in whole]
+    assert set(first) == {k for k, e in enumerate(ends) if e <= 6} and min(ends) < 6 < max(ends)
     assert all(first[k] == whole[k] for k in first)
     rest = {}
     while gen.pending():
