@@ -89,3 +89,27 @@ def test_sampled_replies_follow_their_seed_not_their_batch(tiny_verifier, setup)
     assert a == b
     other = together.generate(prompts, sampling, [20] * len(prompts), [s + 100 for s in seeds])
     assert other != b  # the seed is what decides
+
+
+def test_the_greedy_estimates_continuations_are_one_at_a_time_greedy(tiny_verifier, setup):
+    """eval.offline=greedy with engine=hf decodes through the same batched loop: past the
+    stop token, `length` tokens each, the argmax of a full forward pass at every step."""
+    from transformers import AutoModelForCausalLM
+
+    from eagle3x.engines.hf import HFEngine
+    from eagle3x.stages.evaluate import _hf_greedy
+
+    tok, prompts, stops = setup
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_verifier), dtype=torch.float32).eval()
+    head = model.get_output_embeddings().weight.detach().float()
+    eng = HFEngine(tiny_verifier, [0, 1, 2], "float32", "cpu")
+    got = _hf_greedy(eng, head, prompts, 14, batch=4)
+    want = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = list(p)
+            for _ in range(14):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            want.append(ids[len(p):])
+    assert got == want
+    assert any(t in stops for path in want for t in path)  # it went on past a stop token
