@@ -34,12 +34,14 @@ def one_at_a_time(model, prompt, limit, stops):
     return (new, True) if cut is None else (new[:cut], False)
 
 
-@pytest.mark.parametrize("batch_size", [1, 4, 16])
-def test_batched_greedy_is_one_at_a_time_greedy(tiny_verifier, setup, batch_size):
+@pytest.mark.parametrize("batch_size,prefill", [(1, 4096), (4, 4096), (16, 4096), (4, 24)])
+def test_batched_greedy_is_one_at_a_time_greedy(tiny_verifier, setup, batch_size, prefill):
+    """(prefill 24 over 4 rows: the prompts prefilled 6 columns at a time)"""
     from eagle3x.engines.generate import HFGenerator, Sampling
 
     tok, prompts, stops = setup
     gen = HFGenerator(tiny_verifier, "float32", "cpu", False, stops, batch_size=batch_size)
+    gen.prefill_tokens = prefill
     got = gen.generate(prompts, Sampling(0.0, 1.0, 40, 0), LIMITS, [0] * len(prompts))
     want = [one_at_a_time(gen.model, p, lim, stops) for p, lim in zip(prompts, LIMITS)]
     assert [(r.token_ids, r.hit_length) for r in got] == want
@@ -53,6 +55,7 @@ def test_a_stopped_step_keeps_what_finished_and_requeues_the_rest(tiny_verifier,
 
     tok, prompts, stops = setup
     gen = HFGenerator(tiny_verifier, "float32", "cpu", False, stops, batch_size=len(prompts))
+    gen.prefill_tokens = 10 ** 6  # one prefill: the steps counted are decode steps
     sampling = Sampling(0.0, 1.0, 40, 0)
     whole = gen.generate(prompts, sampling, LIMITS, [0] * len(prompts))
     steps = []
@@ -113,3 +116,15 @@ def test_the_greedy_estimates_continuations_are_one_at_a_time_greedy(tiny_verifi
             want.append(ids[len(p):])
     assert got == want
     assert any(t in stops for path in want for t in path)  # it went on past a stop token
+
+
+def test_a_stop_during_a_long_prefill_comes_between_its_slices(tiny_verifier, setup):
+    from eagle3x.engines.generate import HFGenerator, Request, Sampling
+
+    tok, prompts, stops = setup
+    gen = HFGenerator(tiny_verifier, "float32", "cpu", False, stops, batch_size=len(prompts))
+    gen.prefill_tokens = 2 * len(prompts)  # two columns a slice: many slices
+    calls = []
+    gen.submit([Request(k, p, 8, 0) for k, p in enumerate(prompts)], Sampling(0.0, 1.0, 8, 0))
+    assert gen.step(lambda tokens: calls.append(tokens) or len(calls) < 3) == []
+    assert calls == [0, 0, 0] and gen.pending() == len(prompts)  # no token made; all queued
