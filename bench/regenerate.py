@@ -105,6 +105,7 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run")
     p.add_argument("--sigterm-after", type=float, default=None)
+    p.add_argument("--no-rates", action="store_true", help="only the SIGTERM runs")
     p.add_argument("--set", nargs="*", default=[], help="more overrides for every run "
                    "(e.g. regenerate.turns=last)")
     args = p.parse_args()
@@ -116,7 +117,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-regenerate-"))
     data = data_file(root, args.conversations)
     rows = []
-    for engine in args.engines.split(","):
+    for engine in [] if args.no_rates else args.engines.split(","):
         for batch in ([int(b) for b in args.batch_sizes.split(",")] if engine == "hf" else [0]):
             m = measure(args, data, root, engine, batch)
             rows.append((engine, batch, m))
