@@ -2,7 +2,8 @@
 size, and the seconds from SIGTERM to the process's exit.
 
     python bench/regenerate.py --conversations 64 --max-new-tokens 256
-    python bench/regenerate.py --engines hf --batch-sizes 1,16 --sigterm-after 60
+    python bench/regenerate.py --engines hf --batch-sizes 1,16 --sigterm-after 60 \
+        --set regenerate.turns=last
 
 Each case is a real ``python -m eagle3x stage=regenerate`` on the first `--conversations`
 bundled sample conversations (eagle3x/resources/sample_conversations.jsonl), a fresh
@@ -51,7 +52,7 @@ def command(args: argparse.Namespace, data: Path, out: Path, engine: str, batch:
         cmd.append(f"regenerate.batch_size={batch}")
     else:
         cmd += ["engine.enforce_eager=true", "engine.gpu_memory_utilization=0.3"]
-    return cmd
+    return cmd + list(args.set)
 
 
 def environment(threads: int) -> Dict[str, str]:
@@ -104,6 +105,9 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run")
     p.add_argument("--sigterm-after", type=float, default=None)
+    p.add_argument("--no-rates", action="store_true", help="only the SIGTERM runs")
+    p.add_argument("--set", nargs="*", default=[], help="more overrides for every run "
+                   "(e.g. regenerate.turns=last)")
     args = p.parse_args()
     if args.verifier is None:
         sys.path.insert(0, str(Path(__file__).parent))
@@ -113,7 +117,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-regenerate-"))
     data = data_file(root, args.conversations)
     rows = []
-    for engine in args.engines.split(","):
+    for engine in [] if args.no_rates else args.engines.split(","):
         for batch in ([int(b) for b in args.batch_sizes.split(",")] if engine == "hf" else [0]):
             m = measure(args, data, root, engine, batch)
             rows.append((engine, batch, m))

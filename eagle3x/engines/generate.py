@@ -121,14 +121,15 @@ def _select(cache: Any, keep: torch.Tensor) -> bool:
 
 @torch.inference_mode()
 def decode(forward: Forward, requests: Sequence[Request], sampling: Sampling, stops: Set[int],
-           device: torch.device, on_step: Optional[OnStep] = None
-           ) -> Tuple[List[Tuple[int, Reply]], List[Request]]:
+           device: torch.device, on_step: Optional[OnStep] = None,
+           prefill_tokens: int = 4096) -> Tuple[List[Tuple[int, Reply]], List[Request]]:
     """Decode `requests` together: (the finished ``(key, Reply)`` pairs, in the order they
     finished; the requests left unfinished because `on_step` returned False).
 
     The prompts are left-padded into one batch (attention mask 0 on the padding, positions
-    counted from each row's first real token) and prefilled at once; then one token per
-    row per step, the KV cache reused. A row ends at a token in `stops` (not part of its
+    counted from each row's first real token) and prefilled in slices of about
+    `prefill_tokens` tokens over the batch (`on_step(0)` between slices, so a stop need not
+    wait for a whole long prefill); then one token per row per step, the KV cache reused. A row ends at a token in `stops` (not part of its
     reply) or at its own `limit` (``hit_length``); finished rows leave the batch (their
     cache rows dropped) where the cache allows, else they ride along, ignored. Sampling
     rows each draw from a generator seeded with their request's seed."""
@@ -151,6 +152,14 @@ def decode(forward: Forward, requests: Sequence[Request], sampling: Sampling, st
     live = set(batch)               # those still decoding (the others ride along, ignored)
     done: List[Tuple[int, Reply]] = []
     cache = None
+    step = max(1, prefill_tokens // len(rows))  # prompt columns per prefill slice
+    last = ((width - 1) // step) * step  # where the last slice starts (it makes token 1)
+    for at in range(0, last, step):
+        _, cache = forward(ids[:, at:at + step], mask[:, :at + step], pos[:, at:at + step],
+                           cache)
+        if on_step is not None and not on_step(0):
+            return [], rows
+    ids, pos = ids[:, last:], pos[:, last:]
     while live:
         scores, cache = forward(ids, mask, pos, cache)
         toks = _pick(scores, sampling, [gens[i] for i in batch] if gens else None)
@@ -308,6 +317,7 @@ class HFGenerator(_Queued):
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         self.stops, self.batch_size = stops, max(1, int(batch_size))
+        self.prefill_tokens = 4096  # tokens per prefill slice (`decode`)
         self.queue: List[Tuple[Request, Sampling]] = []
         with StartWatch("hf", phases=(), first=HF_LOADING) as watch:
             self.model = AutoModelForCausalLM.from_pretrained(
@@ -348,7 +358,8 @@ class HFGenerator(_Queued):
         batch = [self.queue[k][0] for k in same]
         self.queue = [q for k, q in enumerate(self.queue) if k not in taken]
         with failing_as("hf", "generate", self.offset):
-            done, left = decode(self._forward, batch, sampling, self.stops, self.device, on_step)
+            done, left = decode(self._forward, batch, sampling, self.stops, self.device, on_step,
+                                self.prefill_tokens)
         self.queue = [(r, sampling) for r in left] + self.queue
         return done
 
