@@ -88,9 +88,11 @@ STAGES: Tuple[StageSpec, ...] = (
                       preflight.engine_memory, preflight.vllm_family),
               # hidden=online|server: training gets the hidden states; extract runs only by name
               unless=lambda s: s.hidden.source is not HiddenSource.offline),
-    StageSpec("vocab", vocab.run, checks=(preflight.vocab_inputs, preflight.vocab_seen)),
+    StageSpec("vocab", vocab.run, checks=(preflight.vocab_inputs, preflight.vocab_seen),
+              # stage=export draft.init=X converts the published draft: no data needed
+              unless=lambda s: s.stage is Stage.export and bool(s.draft.init)),
     StageSpec("train", train.run, sections=("train", "trainer", "logger", "extract", "engine",
-                                            "hidden", "draft"),
+                                            "hidden", "draft", "export"),
               before=("regenerate", "prepare", "extract", "vocab"), precheck=lambda p, s: [
                   Problem("trainer", why) for why in [train.precheck(s.trainer)] if why],
               checks=(preflight.logger_installed, preflight.wandb_credentials,
@@ -98,7 +100,7 @@ STAGES: Tuple[StageSpec, ...] = (
                       preflight.train_batches,
                       preflight.online_engine, preflight.vllm_family,
                       preflight.engine_memory, preflight.online_memory,
-                      preflight.hidden_servers)),
+                      preflight.hidden_servers, preflight.export_formats)),
     StageSpec("eval", evaluate.run, sections=("eval", "train", "extract", "engine", "hidden"),
               checks=(preflight.foreign_shards, preflight.live_serving,
                       preflight.engine_memory, preflight.vllm_family,
@@ -106,8 +108,8 @@ STAGES: Tuple[StageSpec, ...] = (
               precheck=lambda p, s: _vllm_support(p) if (s.eval.live or (
                   s.eval.offline is OfflineEval.greedy and s.engine.name is EngineName.vllm))
               else []),
-    StageSpec("export", export.run, sections=("train", "trainer"), before=("vocab",),
-              in_all=False),
+    StageSpec("export", export.run, sections=("train", "trainer", "export", "draft"),
+              before=("vocab",), in_all=False, checks=(preflight.export_formats,)),
     StageSpec("serve", serve.run, sections=("serve", "engine", "extract", "hidden"),
               in_all=False, checks=(preflight.serve_settings, preflight.gpus,
                                     preflight.engine_memory, preflight.vllm_family)),

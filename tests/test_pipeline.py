@@ -62,6 +62,7 @@ def test_help_lists_the_stages_of_the_enum():
 LAYERS = [
     ("eagle3x.resources", 0), ("eagle3x.artifacts", 0), ("eagle3x.verifier", 0),
     ("eagle3x.weights", 0), ("eagle3x.tiny", 0), ("eagle3x.serving", 0), ("eagle3x.console", 0),
+    ("eagle3x.published", 0),
     ("eagle3x.distributed", 0), ("eagle3x.families", 0), ("eagle3x.failures", 0),
     ("eagle3x.config.problems", 0),
     ("eagle3x.config.schema", 0),
