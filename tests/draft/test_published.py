@@ -242,3 +242,31 @@ def test_a_different_vocabulary_size_is_refused(cli, store, tiny_verifier, tmp_p
 def test_export_format_sglang_is_refused_for_a_draft_sglang_computes_otherwise(cli, store):
     err = refused(cli, "export.format=[sglang]", "draft.norm_before_fc=true")
     assert "export.format" in err and "norm_before_fc" in err
+
+
+def test_speculators_loads_the_speculators_export_with_its_own_from_pretrained(tiny_verifier,
+                                                                            tmp_path):
+    """speculators 0.9.0's Eagle3DraftModel.from_pretrained (installed beside eagle3x:
+    `pip install --no-deps speculators==0.9.0 hs-connectors`) loads export.format=speculators
+    with every tensor as eagle3x wrote it and the aux ids in its (vLLM's) numbering."""
+    pytest.importorskip("speculators")
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    folder = verifier_draft(tiny_verifier, tmp_path, "spec", fmt="speculators", num_layers=2,
+                            norm_before_fc=True, norm_before_residual=True, norm_output=True)
+    model = Eagle3DraftModel.from_pretrained(str(folder))
+    theirs = model.state_dict()
+    ours = load_published(published.read(folder)).state_dict()
+    from eagle3x.draft.save import stored_name
+
+    compared = 0
+    for name, t in ours.items():
+        key = stored_name(name, "speculators")
+        if name.startswith("embed_tokens"):
+            continue
+        assert key in theirs, key
+        assert torch.equal(theirs[key].float(), t.float()), key
+        compared += 1
+    assert compared >= 20
+    assert model.config.eagle_aux_hidden_state_layer_ids == [2, 4, 5]
+    assert model.config.norm_before_residual and model.config.norm_output
