@@ -270,3 +270,20 @@ def test_speculators_loads_the_speculators_export_with_its_own_from_pretrained(t
     assert compared >= 20
     assert model.config.eagle_aux_hidden_state_layer_ids == [2, 4, 5]
     assert model.config.norm_before_residual and model.config.norm_output
+
+
+def test_a_draft_init_refusal_imports_no_heavy_library(cli, store, tiny_verifier, tmp_path):
+    """The checks read config.json, safetensors headers and a few embedding rows (numpy):
+    the refusal comes before torch, vLLM, Lightning or transformers are imported."""
+    import subprocess
+    import sys
+
+    from tests.config.test_refusals import HEAVY
+
+    other = verifier_draft(tiny_verifier, tmp_path, "o", embed_from_verifier=False)
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "eagle3x", "stage=train",
+                        f"draft.init={other}"], cwd=cli.cwd, capture_output=True, text=True)
+    assert r.returncode == 2 and "another verifier" in r.stderr
+    imported = {line.split("|")[-1].strip().split(".")[0] for line in r.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert imported and not imported & set(HEAVY), imported & set(HEAVY)

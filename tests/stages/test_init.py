@@ -158,3 +158,24 @@ def test_a_killed_warm_start_resumes_from_its_checkpoint_not_the_published_draft
     assert "resuming from" in r.stdout + r.stderr
     assert "draft.init: starting from" not in r.stdout + r.stderr
     _assert_same_training(whole, killed)
+
+
+@pytest.mark.vllm
+def test_vllm_serves_the_speculators_export_as_trained(cli, store, tmp_path):
+    """export.format=[speculators] first: <run dir>/draft is speculators' folder, which
+    vLLM reads by auto-detection (its config.json's speculators_model_type; the
+    --speculative-config points at the folder) beside the verifier in float32; eval.live's
+    parity probe: what vLLM's drafter computes equals the trained draft (<= 1e-3)."""
+    pytest.importorskip("vllm")
+    common = ["engine=hf", "logger=none", "train.ttt_steps=3", "eval.depth=3",
+              "trainer.max_steps=20", f"train.output_dir={tmp_path / 'run'}",
+              "export.format=[speculators,vllm]"]
+    r = cli("stage=train", *common)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cfg = json.loads((tmp_path / "run" / "draft" / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3" and "eagle_config" not in cfg
+    r = cli("stage=eval", "eval.live=true", "engine.dtype=float32", "eval.prompts=4", *common)
+    assert r.returncode == 0, r.stderr[-4000:]
+    live = json.loads((tmp_path / "run" / "eval.json").read_text())["live"]
+    assert live["parity_max_rel_error"] <= 1e-3, live["parity"]
+    assert live["speculative_paths_consistent"] and live["served"]["drafts"] > 0
