@@ -228,6 +228,12 @@ def _common(cfg: Dict[str, Any], index: Dict[str, TensorEntry], num_layers: int)
     draft_vocab = int(cfg.get("draft_vocab_size") or (lm.shape[0] if lm else cfg["vocab_size"]))
     rope = (cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta")
             or 10000.0)
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind not in (None, "default"):
+        raise LayoutError(f"rope scaling {kind!r} ({scaling}): eagle3x's draft computes "
+                          f"unscaled rotary embeddings, so it would not train what the "
+                          f"engines serve from this config")
     types = cfg.get("layer_types") or []
     window = cfg.get("sliding_window") if "sliding_attention" in types else None
     return dict(hidden_size=hidden, target_hidden_size=target_hidden,

@@ -287,3 +287,25 @@ def test_a_draft_init_refusal_imports_no_heavy_library(cli, store, tiny_verifier
     imported = {line.split("|")[-1].strip().split(".")[0] for line in r.stderr.splitlines()
                 if line.startswith("import time:")}
     assert imported and not imported & set(HEAVY), imported & set(HEAVY)
+
+
+def test_a_hub_id_is_found_in_the_huggingface_hub_cache(tmp_path, monkeypatch):
+    """huggingface_hub's cache layout: <cache>/models--<org>--<name>/refs/main holds the
+    revision whose snapshot folder holds the files; nothing is downloaded."""
+    draft = make(8)
+    snap = tmp_path / "hub" / "models--someone--eagle3-draft" / "snapshots" / "abc123"
+    save(draft, snap, [1, 3, 5], dtype=torch.float32)
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    assert published.locate("someone/eagle3-draft") == snap
+    with pytest.raises(published.LayoutError, match="huggingface-cli download"):
+        published.locate("someone/other-draft")
+
+
+def test_scaled_rope_is_refused_naming_it(tmp_path):
+    out = save(make(9), tmp_path / "d", [1, 3, 5], dtype=torch.float32)
+    third_party(out, rope_scaling={"rope_type": "llama3", "factor": 8.0})
+    with pytest.raises(published.LayoutError, match="llama3"):
+        published.read(out)
