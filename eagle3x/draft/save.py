@@ -184,12 +184,15 @@ def save(draft: Eagle3Draft, out: str | Path, aux_layer_ids: List[int],
 
 
 def load(folder: str | Path, embeddings: torch.Tensor | None = None) -> Eagle3Draft:
-    """Read an exported draft back (safetensors + json only); embeddings from the verifier."""
+    """Read an exported draft back (safetensors + json only); embeddings from the verifier.
+    A folder of another layout (eagle3x.published) is read by `load_published`."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
     with open(folder / "config.json", encoding="utf-8") as f:
         cfg = json.load(f)
+    if "eagle3x" not in cfg:  # a draft eagle3x did not write: any layout draft.init reads
+        return load_published(published.read(folder), embeddings)
     shape = DraftShape(**cfg["eagle3x"]["shape"])
     state = {published.trained_name(k): v for k, v in load_file(str(folder / WEIGHTS)).items()}
     draft = Eagle3Draft(shape, state["d2t"], state["t2d"])
