@@ -332,6 +332,10 @@ class RunPlan:
                          if self.draft_vocab_size == AUTO else {})},
             "resume": self.resume.mode if self.resume.path is None else str(self.resume.path),
             "run_dir": str(self.run_dir),
+            **({"init": {"folder": str(self.init.folder), "layout": self.init.layout,
+                         "draft_vocab_size": self.init.draft_vocab_size,
+                         "vocabulary": "remapped" if self.init.remap else "kept",
+                         "fingerprint": self.init.fingerprint}} if self.init else {}),
         }
 
 

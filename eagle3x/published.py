@@ -287,7 +287,7 @@ def read(folder: str | Path) -> Published:
         if isinstance(cfg.get("eagle3x"), dict):
             shape = dict(cfg["eagle3x"]["shape"])
             aux = tuple(cfg["eagle3x"]["aux_layer_ids"])
-            layout = "eagle3x"
+            layout = "eagle3x (speculators)" if "speculators_model_type" in cfg else "eagle3x"
         elif cfg.get("speculators_model_type") is not None:
             if cfg["speculators_model_type"] != "eagle3":
                 raise LayoutError(f"speculators_model_type is {cfg['speculators_model_type']!r}: "
