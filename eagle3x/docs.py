@@ -59,6 +59,13 @@ def _type_name(t: Any) -> str:
     return {int: "int", float: "float", str: "str", bool: "bool"}.get(t, getattr(t, "__name__", str(t)))
 
 
+def _plain(value: object) -> object:
+    """An enum inside a list or dict default, as the YAML that sets it reads."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    raise TypeError(f"{type(value).__name__} in a default")
+
+
 def _default(f: dataclasses.Field) -> str:
     from omegaconf import MISSING
 
@@ -72,7 +79,7 @@ def _default(f: dataclasses.Field) -> str:
     if isinstance(value, bool):
         return f"`{str(value).lower()}`"
     if isinstance(value, (list, dict)):
-        return f"`{json.dumps(value)}`"
+        return f"`{json.dumps(value, default=_plain)}`"
     return f"`{value}`"
 
 

@@ -105,9 +105,11 @@ STAGES: Tuple[StageSpec, ...] = (
               # hidden=online|server: training gets the hidden states; extract runs only by name
               unless=lambda s: s.hidden.source is not HiddenSource.offline),
     StageSpec("vocab", vocab.run, before=("regenerate", "prepare"), artifact="vocab",
-              reads=("prepare",), checks=(preflight.vocab_inputs, preflight.vocab_seen)),
+              reads=("prepare",), checks=(preflight.vocab_inputs, preflight.vocab_seen),
+              # stage=export draft.init=X converts the published draft: no data needed
+              unless=lambda s: s.stage is Stage.export and bool(s.draft.init)),
     StageSpec("train", train.run, sections=("train", "trainer", "logger", "extract", "engine",
-                                            "hidden", "draft"),
+                                            "hidden", "draft", "export"),
               before=("regenerate", "prepare", "extract", "vocab"),
               reads=("prepare", "extract", "vocab"), precheck=lambda p, s: [
                   Problem("trainer", why) for why in [train.precheck(s.trainer)] if why],
@@ -116,7 +118,7 @@ STAGES: Tuple[StageSpec, ...] = (
                       preflight.train_batches,
                       preflight.online_engine, preflight.vllm_family,
                       preflight.engine_memory, preflight.online_memory,
-                      preflight.hidden_servers)),
+                      preflight.hidden_servers, preflight.export_formats)),
     StageSpec("eval", evaluate.run, sections=("eval", "train", "extract", "engine", "hidden"),
               checks=(preflight.foreign_shards, preflight.live_serving,
                       preflight.engine_memory, preflight.vllm_family,
@@ -124,9 +126,9 @@ STAGES: Tuple[StageSpec, ...] = (
               precheck=lambda p, s: _vllm_support(p) if (s.eval.live or (
                   s.eval.offline is OfflineEval.greedy and s.engine.name is EngineName.vllm))
               else []),
-    StageSpec("export", export.run, sections=("train", "trainer"),
+    StageSpec("export", export.run, sections=("train", "trainer", "export", "draft"),
               before=("regenerate", "prepare", "vocab"), reads=("vocab",),
-              in_all=False),
+              in_all=False, checks=(preflight.export_formats,)),
     StageSpec("serve", serve.run, sections=("serve", "engine", "extract", "hidden"),
               in_all=False, checks=(preflight.serve_settings, preflight.gpus,
                                     preflight.engine_memory, preflight.vllm_family)),

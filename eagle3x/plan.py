@@ -26,6 +26,8 @@ An explicit folder (``prepare.output_dir``, ``extract.prepared_data``, ``extract
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -230,6 +232,42 @@ def last_checkpoint(run_dir: Path) -> Path:
 
 
 @dataclass(frozen=True)
+class InitRef:
+    """The published draft `draft.init` names (eagle3x.published), as the plan needs it."""
+
+    folder: Path
+    layout: str
+    #: its vocabulary's size, and whether the vocab stage re-maps it (vocab.remap)
+    draft_vocab_size: int
+    remap: bool
+    #: its aux layer ids in eagle3x's numbering, None where the folder names none
+    aux_layer_ids: Optional[Tuple[int, ...]]
+    #: config.json and the stored d2t / t2d bytes
+    fingerprint: str
+
+
+def read_init(init: str, remap: bool) -> InitRef:
+    """The InitRef of `draft.init`; PlanError naming draft.init when it cannot be read."""
+    from eagle3x import published
+
+    try:
+        folder = published.locate(init)
+        p = published.read(folder)
+    except (published.LayoutError, OSError) as exc:
+        raise PlanError("draft.init", str(exc)) from None
+    parts = [(folder / "config.json").read_bytes()]
+    for stored, name in sorted(p.names.items()):
+        if name in ("d2t", "t2d"):
+            e = p.index[stored]
+            with open(e.file, "rb") as f:
+                f.seek(e.start)
+                parts.append(f.read(e.end - e.start))
+    fp = hashlib.sha256(b"".join(hashlib.sha256(x).digest() for x in parts)).hexdigest()[:16]
+    return InitRef(folder, p.layout, int(p.shape["draft_vocab_size"]), remap,
+                   p.aux_layer_ids, fp)
+
+
+@dataclass(frozen=True)
 class RunPlan:
     """Everything one run reads and writes, resolved once from the validated config."""
 
@@ -258,6 +296,8 @@ class RunPlan:
     run_dir: Path
     #: the whole resolved config as json (for manifests and the experiment logger)
     config: Dict[str, Any] = field(repr=False, compare=False)
+    #: the published draft training starts from (draft.init), None: from scratch
+    init: Optional[InitRef] = None
 
     def describe(self) -> Dict[str, Any]:
         """The plan as json: what `--plan` prints and each run folder's plan.json holds."""
@@ -292,6 +332,10 @@ class RunPlan:
                          if self.draft_vocab_size == AUTO else {})},
             "resume": self.resume.mode if self.resume.path is None else str(self.resume.path),
             "run_dir": str(self.run_dir),
+            **({"init": {"folder": str(self.init.folder), "layout": self.init.layout,
+                         "draft_vocab_size": self.init.draft_vocab_size,
+                         "vocabulary": "remapped" if self.init.remap else "kept",
+                         "fingerprint": self.init.fingerprint}} if self.init else {}),
         }
 
 
@@ -317,7 +361,15 @@ def resolve(cfg: Eagle3xConfig, run_dir: Optional[Path] = None,
         info = read_verifier_info(vpath, cfg.verifier.tiny)
     vref = VerifierRef(vpath, cfg.verifier.tiny, cfg.verifier.trust_remote_code,
                        verifier.fingerprint(vpath, tiny=cfg.verifier.tiny), info)
+    init = read_init(cfg.draft.init, cfg.vocab.remap) if cfg.draft.init else None
     aux = tuple(verifier.aux_layers(cfg.extract.aux_layer_ids, info.num_layers))
+    if init is not None and init.aux_layer_ids is not None:
+        if cfg.extract.aux_layer_ids and tuple(cfg.extract.aux_layer_ids) != init.aux_layer_ids:
+            raise PlanError("extract.aux_layer_ids",
+                            f"{list(cfg.extract.aux_layer_ids)}, but the draft of draft.init "
+                            f"was trained on layers {list(init.aux_layer_ids)} (eagle3x's "
+                            f"numbering); leave extract.aux_layer_ids unset")
+        aux = init.aux_layer_ids
 
     kwargs = dict(cfg.data.chat_template_kwargs or {})
     original = data_source(cfg)
@@ -375,12 +427,14 @@ def resolve(cfg: Eagle3xConfig, run_dir: Optional[Path] = None,
         hidden_fp = artifacts.digest({"prepared": prepared_id, "verifier": vref.fingerprint,
                                       "aux_layer_ids": list(aux), "dtype": cfg.extract.dtype.value,
                                       **({"format": fmt} if fmt != DEFAULT_FORMAT else {})})
+        sizing = {"draft_vocab_size": cfg.vocab.draft_vocab_size,
+                  **({"coverage": cfg.vocab.coverage,
+                      "max_draft_vocab_size": cfg.vocab.max_draft_vocab_size}
+                     if cfg.vocab.draft_vocab_size == AUTO else {})}
+        if init is not None:  # kept: the draft's own map; re-mapped: from it and the data
+            sizing = {"init": init.fingerprint, **(sizing if init.remap else {})}
         vocab_fp = artifacts.digest({"prepared": prepared_id, "num_samples": cfg.data.num_samples,
-                                     "holdout_samples": cfg.data.holdout_samples,
-                                     "draft_vocab_size": cfg.vocab.draft_vocab_size,
-                                     **({"coverage": cfg.vocab.coverage,
-                                         "max_draft_vocab_size": cfg.vocab.max_draft_vocab_size}
-                                        if cfg.vocab.draft_vocab_size == AUTO else {})})
+                                     "holdout_samples": cfg.data.holdout_samples, **sizing})
     hidden = place("hidden", cfg.extract.output_dir, hidden_fp, "extract.output_dir")
     vocab = place("vocab", cfg.vocab.output_dir, vocab_fp, "vocab.output_dir")
 
@@ -393,10 +447,12 @@ def resolve(cfg: Eagle3xConfig, run_dir: Optional[Path] = None,
         regenerated=regenerated, prepared=prepared,
         hidden=hidden, vocab=vocab, hidden_dtype=cfg.extract.dtype.value,
         hidden_format=storage_format(cfg.extract),
-        draft_vocab_size=cfg.vocab.draft_vocab_size, draft_vocab_coverage=cfg.vocab.coverage,
+        draft_vocab_size=(init.draft_vocab_size if init is not None and not init.remap
+                          else cfg.vocab.draft_vocab_size),
+        draft_vocab_coverage=cfg.vocab.coverage,
         draft_vocab_max=cfg.vocab.max_draft_vocab_size,
         split=Split(cfg.data.holdout_samples, cfg.data.num_samples, cfg.extract.min_samples),
-        resume=Resume.parse(cfg.train.resume), run_dir=out, config=config_record(cfg))
+        resume=Resume.parse(cfg.train.resume), run_dir=out, config=config_record(cfg), init=init)
 
 
 def input_memo(cfg: Eagle3xConfig) -> Path:

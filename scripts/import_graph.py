@@ -34,7 +34,7 @@ LAYERS: Dict[str, int] = {
     "eagle3x": 0, "eagle3x.resources": 0, "eagle3x.artifacts": 0, "eagle3x.verifier": 0,
     "eagle3x.weights": 0, "eagle3x.tiny": 0, "eagle3x.serving": 0, "eagle3x.console": 0,
     "eagle3x.distributed": 0, "eagle3x.families": 0, "eagle3x.failures": 0,
-    "eagle3x.hub": 0, "eagle3x.job": 0,
+    "eagle3x.hub": 0, "eagle3x.job": 0, "eagle3x.published": 0,
     "eagle3x.config": 0, "eagle3x.config.problems": 0, "eagle3x.config.schema": 0,
     "eagle3x.plan": 1, "eagle3x.config.compose": 1, "eagle3x.config.rules": 1,
     "eagle3x.engines": 2, "eagle3x.draft": 2, "eagle3x.data": 2,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 from dataclasses import dataclass
+from types import SimpleNamespace
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -156,12 +157,21 @@ def preflight(cfg: Eagle3xConfig, runs: Sequence[str], checks: Sequence[Check],
         problems += _split(cfg, runs)
 
     aux_ok = True
-    if info:
+    init_ids = None
+    if info and (cfg.draft.init or cfg.vocab.remap):
+        init_ids, found = draft_init(cfg, info, overrides)
+        problems += found
+        aux_ok = not any(p.key == "extract.aux_layer_ids" for p in found)
+    if info and aux_ok:
         from eagle3x.verifier import aux_layer_problem, aux_layers
 
-        ids = aux_layers(cfg.extract.aux_layer_ids, info.num_layers)
+        ids = list(init_ids) if init_ids else aux_layers(cfg.extract.aux_layer_ids, info.num_layers)
         why = aux_layer_problem(ids, info.num_layers, info.architectures)
-        if why:
+        if init_ids and why:
+            aux_ok = False
+            problems.append(Problem("draft.init", f"its aux layers {ids} (eagle3x's numbering): "
+                                    f"{why}", value=cfg.draft.init))
+        elif why:
             aux_ok = False
             problems.append(Problem("extract.aux_layer_ids", why, value=str(ids),
                                     where=_given(overrides, "extract.aux_layer_ids")))
@@ -183,6 +193,109 @@ def preflight(cfg: Eagle3xConfig, runs: Sequence[str], checks: Sequence[Check],
     world = World(cfg, tuple(runs), tuple(overrides), info, plan, aux_ok)
     for check in checks:
         problems += check(world)
+    return problems
+
+
+#: where a verifier's input embedding lives (eagle3x.weights.EMBED_NAMES, which imports torch)
+EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
+               "embed_tokens.weight")
+
+
+def draft_init(cfg: Eagle3xConfig, info: VerifierInfo,
+               overrides: Sequence[str] = ()) -> Tuple[Optional[Tuple[int, ...]], List[Problem]]:
+    """draft.init names a published draft this verifier can start from: a layout read
+    (eagle3x.published), the verifier's hidden size and vocabulary, aux layers inside the
+    verifier (and extract.aux_layer_ids, if given, the same), one consistent d2t / t2d,
+    and the embedding rows it carries (if any) the verifier's. Returns the draft's aux
+    layer ids (None: it names none) and the problems. Reads config.json, safetensors
+    headers and a few embedding rows."""
+    from eagle3x import published
+
+    init = cfg.draft.init
+    if not init:
+        return None, [Problem("vocab.remap", "re-maps the vocabulary of a published draft, and "
+                              "draft.init names none.", value="true",
+                              where=_given(overrides, "vocab.remap"),
+                              hint="draft.init=<folder or hub id>, or drop vocab.remap")]
+    where = _given(overrides, "draft.init")
+    try:
+        p = published.read(published.locate(init))
+    except (published.LayoutError, OSError) as exc:
+        return None, [Problem("draft.init", f"cannot be read as an EAGLE-3 draft: {exc}",
+                              value=init, where=where)]
+    s, problems = p.shape, []
+
+    def refuse(message: str, hint: Optional[str] = None) -> None:
+        problems.append(Problem("draft.init", f"the {p.layout} draft at {p.folder}: {message}",
+                                value=init, where=where, hint=hint))
+
+    for key in ("target_hidden_size", "hidden_size"):
+        if s[key] != info.hidden_size:
+            refuse(f"its {key} is {s[key]}, the verifier's hidden size {info.hidden_size} "
+                   f"(verifier.path={cfg.verifier.path}): it was made for another verifier.")
+    if s["target_vocab_size"] != info.vocab_size:
+        refuse(f"it maps into a vocabulary of {s['target_vocab_size']} tokens, the verifier's "
+               f"has {info.vocab_size}: it was made for another verifier.")
+    aux = p.aux_layer_ids
+    if aux is not None:
+        why = published.ids_problem(aux, info.num_layers)
+        if why:
+            refuse(why + ": it was made for another verifier.")
+        elif len(aux) != s["num_aux"]:
+            refuse(f"it names {len(aux)} aux layers but its fc reads {s['num_aux']}.")
+        elif cfg.extract.aux_layer_ids and tuple(cfg.extract.aux_layer_ids) != tuple(aux):
+            problems.append(Problem(
+                "extract.aux_layer_ids", f"the draft of draft.init was trained on aux layers "
+                f"{list(aux)} (eagle3x's numbering: the output of layer k), not these.",
+                value=str(list(cfg.extract.aux_layer_ids)),
+                where=_given(overrides, "extract.aux_layer_ids"),
+                hint="leave extract.aux_layer_ids unset: the draft's own are used"))
+    elif s["num_aux"] != 3:
+        refuse(f"its fc reads {s['num_aux']} aux states and it names no aux layer ids.")
+    if s["target_vocab_size"] == info.vocab_size:
+        d2t, t2d = published.d2t_t2d(p)
+        why = published.map_problem(d2t, t2d, info.vocab_size)
+        if why:
+            refuse(f"its vocabulary map is broken: {why}.")
+        vindex = published.tensor_index(Path(cfg.verifier.path).expanduser())
+        entry = next((vindex[n] for n in EMBED_NAMES if n in vindex), None)
+        why = published.embedding_mismatch(p, entry) if entry is not None else None
+        if why:
+            refuse(why + f" (verifier.path={cfg.verifier.path}).")
+    return (tuple(aux) if aux is not None and not problems else None), problems
+
+
+def export_formats(w: World) -> List[Problem]:
+    """export: each export.format can hold this draft: SGLang computes it as trained
+    (eagle3x.serving.vllm_only), speculators' config takes norm_before_fc or fc_norm, not
+    both (Eagle3SpeculatorConfig._check_norm_flags, speculators 0.9.0)."""
+    from eagle3x import published, serving
+    from eagle3x.config.schema import ExportFormat
+
+    formats = list(w.cfg.export.format)
+    if w.cfg.draft.init and (w.plan is None or w.plan.init is None):
+        return []  # its own problem is reported
+    if w.plan is not None and w.plan.init is not None:
+        shape = published.read(w.plan.init.folder).shape
+        what = f"the draft of draft.init"
+    else:
+        shape = w.cfg.draft.options()
+        what = "draft.*"
+    problems = []
+    only = serving.vllm_only(SimpleNamespace(**shape))
+    if ExportFormat.sglang in formats and only:
+        problems.append(Problem("export.format", f"sglang: SGLang's EAGLE-3 Llama draft does not "
+                                f"compute {what} as trained ({', '.join(only)}).",
+                                value=",".join(f.value for f in formats),
+                                where=_given(w.overrides, "export.format"),
+                                hint="export.format=[vllm] or [speculators] (vLLM serves it), or "
+                                     "draft=sglang to train a draft SGLang serves"))
+    if ExportFormat.speculators in formats and shape.get("norm_before_fc") and shape.get("fc_norm"):
+        problems.append(Problem("export.format", f"speculators: its config refuses norm_before_fc "
+                                f"and fc_norm together, and {what} sets both.",
+                                value=",".join(f.value for f in formats),
+                                where=_given(w.overrides, "export.format"),
+                                hint="export.format=[vllm]"))
     return problems
 
 
@@ -304,6 +417,8 @@ def vocab_seen(w: World) -> List[Problem]:
     (loss-masked) tokens, counted over every sample, bound the distinct trained tokens of
     any split (the vocab stage warns of the cases only counting reveals)."""
     size = w.cfg.vocab.draft_vocab_size
+    if w.cfg.draft.init and not w.cfg.vocab.remap:
+        return []  # the published draft's own vocabulary is kept
     if size == AUTO or w.plan is None or artifacts.complete_manifest(w.plan.vocab.folder):
         return []
     m = artifacts.complete_manifest(w.plan.prepared.folder)

@@ -438,6 +438,12 @@ class VocabConfig:
     max_draft_vocab_size: int = at_least(
         1, 32000, doc="auto: at most this many tokens (and never more than the verifier's "
         "vocabulary).")
+    remap: bool = documented(
+        False, "With draft.init: false keeps the published draft's own vocabulary map "
+        "(d2t/t2d) and size, whatever draft_vocab_size says; true builds a new one from the "
+        "training data (draft_vocab_size, or auto) and re-maps the draft's lm_head rows by "
+        "token id: tokens in both keep their rows, new ones start from the verifier's "
+        "lm_head rows (the start a from-scratch draft gets). Needs draft.init.")
     output_dir: Optional[str] = documented(
         None, "Default: <paths.artifacts>/vocab/<fingerprint>.")
 
@@ -466,12 +472,45 @@ class DraftConfig:
     sliding_window: Optional[int] = at_least(
         2, None, "must be at least 2, or null (full)",
         doc="Attention over the last this many positions only (null: all before).")
+    init: Optional[str] = checked(
+        None, lambda v: v is None or bool(str(v).strip()),
+        "must be a folder or a hub id (or null)",
+        doc="Start from a published EAGLE-3 draft: a folder or a hub id (read from the "
+        "huggingface_hub cache, offline). Its layout is recognised (eagle3x's export, "
+        "EAGLE's / SGLang's / SpecForge's LlamaForCausalLMEagle3, vLLM's "
+        "Eagle3LlamaForCausalLM, speculators' eagle3, ModelOpt's export); its architecture "
+        "replaces the options above, its aux layer ids extract.aux_layer_ids', its "
+        "vocabulary map is kept (vocab.remap), every weight is loaded; optimizer and "
+        "schedule start fresh. A checkpoint to resume from wins over it. With stage=export "
+        "and no checkpoint: converts it to export.format.")
 
     def options(self) -> Dict[str, Any]:
         """The DraftShape fields these set (eagle3x.draft.model.DraftShape)."""
         return {"num_layers": self.num_layers, "norm_before_fc": self.norm_before_fc,
                 "fc_norm": self.fc_norm, "norm_before_residual": self.norm_before_residual,
                 "norm_output": self.norm_output, "sliding_window": self.sliding_window}
+
+
+class ExportFormat(Enum):
+    """The folders the export writes (eagle3x.draft.save.FORMATS)."""
+    vllm = "vllm"
+    sglang = "sglang"
+    speculators = "speculators"
+
+
+@dataclass
+class ExportConfig:
+    """What stage=export (and the end of training) writes."""
+
+    format: List[ExportFormat] = checked(
+        [ExportFormat.vllm], lambda v: len(v) >= 1 and len(set(v)) == len(v),
+        "must name one or more formats, each once",
+        doc="The draft folders to write: vllm (LlamaForCausalLMEagle3 / "
+        "Eagle3LlamaForCausalLM, the layout vLLM and, where it computes the draft as "
+        "trained, SGLang load), sglang (the same layout, refused at startup for a draft "
+        "SGLang would compute otherwise), speculators (speculators' eagle3 format: its "
+        "from_pretrained and vLLM's auto-detection load it). The first lands in "
+        "<run dir>/draft, each other in <run dir>/draft-<format>.")
 
 
 class OptimizerName(Enum):
@@ -706,6 +745,7 @@ class Eagle3xConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     log: LogConfig = field(default_factory=LogConfig)
 

@@ -23,7 +23,8 @@ from typing import Any, Dict, Optional
 
 from eagle3x import artifacts, console, distributed
 from eagle3x.artifacts import Outcome
-from eagle3x.config.schema import (DraftConfig, EngineConfig, ExtractConfig, HiddenConfig,
+from eagle3x.config.schema import (DraftConfig, EngineConfig, ExportConfig, ExtractConfig,
+                                   HiddenConfig,
                                    HiddenSource, LoggerConfig, LoggerName, TrainConfig,
                                    TrainerConfig)
 from eagle3x.draft.shape import draft_shape
@@ -33,22 +34,49 @@ log = logging.getLogger("eagle3x")
 
 
 def build_module(plan: RunPlan, train: TrainConfig, max_steps: int,
-                 draft: Optional[Dict[str, Any]] = None) -> Any:
+                 draft: Optional[Dict[str, Any]] = None, load_init: bool = True) -> Any:
     """The Lightning module for the plan's verifier and vocabulary (vocab must exist);
-    `draft`: the architecture options (DraftConfig.options(), or a checkpoint's)."""
+    `draft`: the architecture options (DraftConfig.options(), or a checkpoint's). With
+    `plan.init` (draft.init) the architecture is the published draft's and, with
+    `load_init`, its weights are loaded: every one, lm_head rows re-mapped by token id
+    when the vocab artifact re-mapped them (its `rows`; new rows keep the verifier's
+    lm_head rows DraftModule starts from)."""
     import torch
 
     from eagle3x.draft.module import DraftModule
     from eagle3x.stages import vocab
 
     v = vocab.load(plan.vocab.folder)
-    return DraftModule(
-        shape=draft_shape(plan.verifier, len(v["d2t"]), train.intermediate_size, draft),
+    if plan.init is not None:
+        from eagle3x import published
+
+        p = published.read(plan.init.folder)
+        shape = {**p.shape, "draft_vocab_size": len(v["d2t"])}
+    else:
+        shape = draft_shape(plan.verifier, len(v["d2t"]), train.intermediate_size, draft)
+    module = DraftModule(
+        shape=shape,
         train=plain(dataclasses.asdict(train)), verifier=str(plan.verifier.path),
         tied_head=plan.verifier.tied_head, aux_layer_ids=list(plan.aux_layer_ids),
         max_steps=max_steps, d2t=torch.from_numpy(v["d2t"]), t2d=torch.from_numpy(v["t2d"]),
         logit_softcap=plan.verifier.info.logit_softcap,
         logit_scale=plan.verifier.info.logit_scale)
+    if plan.init is not None and load_init:
+        from eagle3x.draft.save import load_into, published_weights
+
+        remapped = "rows" in v
+        state = published_weights(
+            p, *((torch.from_numpy(v["d2t"]), torch.from_numpy(v["t2d"]),
+                  torch.from_numpy(v["rows"]), module.draft.lm_head.weight.detach().clone())
+                 if remapped else ()))
+        with torch.no_grad():
+            load_into(module.draft, state, f"draft.init={plan.init.folder}",
+                      embeddings=not train.freeze_embeddings)
+        log.info("draft.init: starting from the %s draft at %s (%d layer%s, %s vocabulary of "
+                 "%d tokens); optimizer and schedule start fresh", p.layout, plan.init.folder,
+                 p.shape["num_layers"], "s" if p.shape["num_layers"] > 1 else "",
+                 "a re-mapped" if remapped else "its own", len(v["d2t"]))
+    return module
 
 
 def plain(settings: dict) -> dict:
@@ -210,12 +238,13 @@ def samples_made(features: Any, world: int) -> list:
 
 def run(plan: RunPlan, train: TrainConfig, trainer: TrainerConfig, logger: LoggerConfig,
         extract: ExtractConfig, engine: Optional[EngineConfig] = None,
-        hidden: HiddenConfig = HiddenConfig(), draft: DraftConfig = DraftConfig()) -> Outcome:
+        hidden: HiddenConfig = HiddenConfig(), draft: DraftConfig = DraftConfig(),
+        export: ExportConfig = ExportConfig()) -> Outcome:
     import lightning as L
 
     from eagle3x.data.datamodule import HiddenStateDataModule
     from eagle3x.draft.callbacks import Preemption, RankFailures
-    from eagle3x.draft.save import save
+    from eagle3x.draft.save import write_formats
     from eagle3x.tracking.loggers import make_logger
 
     out = plan.run_dir
@@ -230,7 +259,9 @@ def run(plan: RunPlan, train: TrainConfig, trainer: TrainerConfig, logger: Logge
                                 if trainer.max_steps > 0 else 5)
     pin_threads()
     L.seed_everything(train.seed, workers=True, verbose=False)
-    module = build_module(plan, train, trainer.max_steps, draft.options())
+    ckpt = plan.resume.training_checkpoint(out)
+    # a checkpoint to resume from holds the weights: draft.init only shapes the module
+    module = build_module(plan, train, trainer.max_steps, draft.options(), load_init=ckpt is None)
     online = hidden.source is not HiddenSource.offline
     dm = HiddenStateDataModule.from_plan(plan, train, extract, engine if online else None,
                                          hidden if online else None)
@@ -238,7 +269,6 @@ def run(plan: RunPlan, train: TrainConfig, trainer: TrainerConfig, logger: Logge
     fitter = make_trainer(trainer, out, exp_logger, keep=train.keep_checkpoints,
                           progress_seconds=train.progress_seconds,
                           extra=[preemption, ranks, speed])
-    ckpt = plan.resume.training_checkpoint(out)
     if ckpt is not None and plan.resume.mode == "auto":
         log.info("resuming from %s", ckpt)
     t0 = time.perf_counter()
@@ -262,9 +292,11 @@ def run(plan: RunPlan, train: TrainConfig, trainer: TrainerConfig, logger: Logge
         log.info("rank %d of %d trained %d steps", fitter.global_rank, fitter.world_size,
                  fitter.global_step)
         return Outcome("draft", "rank", out / "draft")
-    draft_dir = save(module.draft, out / "draft", list(plan.aux_layer_ids),
-                     include_embeddings=not train.freeze_embeddings,
-                     verifier_architectures=plan.verifier.info.architectures)
+    draft_dir = write_formats(module.draft, plan.run_dir, [f.value for f in export.format],
+                              list(plan.aux_layer_ids),
+                              include_embeddings=not train.freeze_embeddings,
+                              verifier_architectures=plan.verifier.info.architectures,
+                              verifier=str(plan.verifier.path))
     metrics = {k: float(v) for k, v in fitter.callback_metrics.items()}
     summary = {"stage": "train", "steps": fitter.global_step, "train_seconds": wall,
                "train_tokens_per_step": dm.mean_tokens_per_batch(),

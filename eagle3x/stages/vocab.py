@@ -17,6 +17,17 @@ vocabulary can never be proposed), and how the size was chosen.
 
 ``vocab.safetensors`` holds ``d2t`` (int64 [draft]), ``t2d`` (bool [target]) and
 ``counts`` (int64 [target]).
+
+With ``draft.init`` the published draft's own map is kept (its lm_head rows belong to
+its tokens: rebuilding the map from new data would silently misalign every row, as
+SpecForge's draft_checkpoint_path did before its PR #534), and the stage says so. With
+``vocab.remap=true`` a new map is built from the data as above and the draft's lm_head
+rows follow their tokens: ``rows`` (int64 [draft]) holds, for each new draft id, the
+published draft's row of the same target token, or -1 for a token it did not have, whose
+row starts from the verifier's lm_head row (what a from-scratch draft starts from,
+``DraftModule``; zero would make every new token's first logits equal, and the verifier's
+row is the best-known predictor of that token from a hidden state). The manifest's
+stats record which (``mapping``: kept / remapped, ``kept_rows``, ``new_rows``).
 """
 
 from __future__ import annotations
@@ -83,6 +94,17 @@ def mostly_unseen(draft_size: int, distinct: int) -> bool:
     return draft_size - distinct > draft_size / 2
 
 
+def remap_rows(old_d2t: Any, new_d2t: Any) -> Any:
+    """For each id of the new draft vocabulary, the old draft's row of the same target
+    token, or -1 where the old vocabulary lacks it (int64 [new draft])."""
+    import numpy as np
+
+    old_targets = np.arange(len(old_d2t)) + np.asarray(old_d2t)
+    row_of = {int(t): i for i, t in enumerate(old_targets)}
+    new_targets = np.arange(len(new_d2t)) + np.asarray(new_d2t)
+    return np.array([row_of.get(int(t), -1) for t in new_targets], dtype=np.int64)
+
+
 def count_targets(prepared: Dict[str, Any], target_size: int, first: int, last: int) -> Any:
     """Counts of token ids on loss-masked positions of prepared samples [first, last)."""
     import numpy as np
@@ -106,9 +128,21 @@ def run(plan: RunPlan) -> Outcome:
     first, last = plan.split.bounds(data["n"])
     counts = count_targets(data, target_size, first, last)
     held = count_targets(data, target_size, 0, first)
-    size = chosen_size(counts, plan.draft_vocab_size, plan.draft_vocab_coverage,
-                       plan.draft_vocab_max)
-    d2t, t2d, filled = build_mapping(counts, size)
+    extra: Dict[str, Any] = {}
+    if plan.init is not None and not plan.init.remap:
+        from eagle3x import published
+
+        d2t, t2d = published.d2t_t2d(published.read(plan.init.folder))
+        size, filled = len(d2t), 0
+    else:
+        size = chosen_size(counts, plan.draft_vocab_size, plan.draft_vocab_coverage,
+                           plan.draft_vocab_max)
+        d2t, t2d, filled = build_mapping(counts, size)
+    if plan.init is not None and plan.init.remap:
+        from eagle3x import published
+
+        old_d2t, _ = published.d2t_t2d(published.read(plan.init.folder))
+        extra["rows"] = remap_rows(old_d2t, d2t)
     distinct = int((counts > 0).sum())
     auto = auto_size(counts, plan.draft_vocab_coverage, plan.draft_vocab_max)
     fixed = plan.draft_vocab_size != AUTO
@@ -131,9 +165,18 @@ def run(plan: RunPlan) -> Outcome:
              "auto_size": auto, "auto_coverage": plan.draft_vocab_coverage,
              "heldout_tokens": int(held.sum()),
              "heldout_coverage": (int(held[t2d].sum()) / int(held.sum())) if held.sum() else None}
+    if plan.init is not None:
+        stats.update(mapping="remapped" if plan.init.remap else "kept",
+                     init=str(plan.init.folder), init_layout=plan.init.layout,
+                     init_draft_vocab_size=plan.init.draft_vocab_size)
+        if plan.init.remap:
+            kept = int((extra["rows"] >= 0).sum())
+            stats.update(kept_rows=kept, new_rows=len(d2t) - kept,
+                         new_rows_from="the verifier's lm_head rows")
+        stats["size_rule"] = "draft.init" if not plan.init.remap else stats["size_rule"]
     manifest = artifacts.new_manifest("vocab", plan.config, plan.vocab.fingerprint, stats=stats)
     with artifacts.building(out) as tmp:
-        save_file({"d2t": d2t, "t2d": t2d, "counts": counts}, str(Path(tmp) / FILE))
+        save_file({"d2t": d2t, "t2d": t2d, "counts": counts, **extra}, str(Path(tmp) / FILE))
         manifest["files"] = [artifacts.file_entry(Path(tmp) / FILE)]
         manifest["complete"] = True
         artifacts.write_json_atomic(Path(tmp) / artifacts.MANIFEST, manifest)
@@ -143,6 +186,12 @@ def run(plan: RunPlan) -> Outcome:
         how = f" (auto: {100 * plan.draft_vocab_coverage:g}% coverage{', capped' if capped else ''})"
     held_part = (f", {100 * stats['heldout_coverage']:.1f}% of held-out ones"
                  if stats["heldout_coverage"] is not None else "")
+    if plan.init is not None and not plan.init.remap:
+        how = (f" (kept from the {plan.init.layout} draft of draft.init, its lm_head rows "
+               f"aligned with their tokens; vocab.remap=true re-maps it to this data)")
+    elif plan.init is not None:
+        how += (f" (re-mapped from the draft of draft.init: {stats['kept_rows']} rows kept by "
+                f"token id, {stats['new_rows']} new ones from the verifier's lm_head)")
     log.info("draft vocab %d of %d tokens%s covers %.1f%% of trained tokens%s -> %s",
              len(d2t), target_size, how, 100 * stats["coverage"], held_part, out)
     return Outcome("vocab", "built", out)
