@@ -102,6 +102,7 @@ def test_stage_all_trains_a_draft_well_above_the_untrained_one(full_run):
     assert logged["summary"]["eval/mean_accepted_length"] == trained["mean_accepted_length"]
 
 
+@pytest.mark.slow
 def test_export_has_the_layout_vllm_reads(fast_run):
     r = fast_run.result
     assert r.returncode == 0, r.stderr[-3000:]
