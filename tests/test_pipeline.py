@@ -67,6 +67,7 @@ LAYERS = [
     ("eagle3x.config.schema", 0),
     ("eagle3x.plan", 1), ("eagle3x.config.compose", 1), ("eagle3x.config.rules", 1),
     ("eagle3x.engines", 2), ("eagle3x.draft", 2), ("eagle3x.data", 2),
+    ("eagle3x.evaluation", 2),
     ("eagle3x.config.preflight", 3), ("eagle3x.tracking", 3),
     ("eagle3x.stages", 4),
     ("eagle3x.pipeline", 5), ("eagle3x.stopping", 5),
