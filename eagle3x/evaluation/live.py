@@ -121,11 +121,13 @@ def parity(record: Dict[str, torch.Tensor], draft: Any, aux: torch.Tensor,
 
 
 class ServedDraft:
-    """vLLM with `draft` as its EAGLE-3 speculator (greedy), with the draft probe loaded.
-    vLLM's errors come out as `EngineFailed` (the engine's log says why)."""
+    """vLLM with `draft` as its EAGLE-3 speculator (`depth` speculative tokens), or the
+    verifier alone when `draft` is None. With `probe` the draft probe is loaded (eager
+    modules: its hooks need them); without it `engine.enforce_eager` is kept. vLLM's
+    errors come out as `EngineFailed` (the engine's log says why)."""
 
-    def __init__(self, verifier: Path, draft: Path, depth: int, settings: Dict[str, Any],
-                 max_model_len: int):
+    def __init__(self, verifier: Path, draft: Optional[Path], depth: int,
+                 settings: Dict[str, Any], max_model_len: int, probe: bool = True):
         from eagle3x.engines.base import failing_as, set_rpc_timeout
         from eagle3x.engines.watch import StartWatch
 
@@ -133,12 +135,14 @@ class ServedDraft:
                   tensor_parallel_size=settings.get("tensor_parallel_size", 1),
                   quantization=settings.get("quantization"),
                   trust_remote_code=settings.get("trust_remote_code", False),
-                  enforce_eager=True,  # the probe's hooks need eager modules
+                  enforce_eager=True if probe else bool(settings.get("enforce_eager", False)),
                   gpu_memory_utilization=settings.get("gpu_memory_utilization", 0.85),
-                  max_model_len=max_model_len, disable_log_stats=False,
-                  worker_extension_cls="eagle3x.evaluation.probe.DraftProbe",
-                  speculative_config={"method": "eagle3", "model": str(draft),
-                                      "num_speculative_tokens": depth})
+                  max_model_len=max_model_len, disable_log_stats=False)
+        if probe:
+            kw["worker_extension_cls"] = "eagle3x.evaluation.probe.DraftProbe"
+        if draft is not None:
+            kw["speculative_config"] = {"method": "eagle3", "model": str(draft),
+                                        "num_speculative_tokens": depth}
         self.depth = depth
         self.rpc_timeout = set_rpc_timeout(settings)
         with StartWatch("vllm") as watch:
@@ -147,20 +151,25 @@ class ServedDraft:
                 from vllm import LLM
 
                 self.llm = LLM(**{k: v for k, v in kw.items() if v is not None})
-                self.llm.collective_rpc("eagle3x_probe_install")
+                if probe:
+                    self.llm.collective_rpc("eagle3x_probe_install")
         model_config = getattr(self.llm.llm_engine, "model_config", None)
         self.dtype = str(getattr(model_config, "dtype", settings.get("dtype"))).replace("torch.", "")
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int,
-                 ignore_eos: bool = False) -> List[List[int]]:
-        """Greedy continuations (ending at the verifier's stop token, included, unless
-        `ignore_eos`)."""
+                 ignore_eos: bool = False, temperature: float = 0.0,
+                 seed: Optional[int] = None) -> List[List[int]]:
+        """Continuations (ending at the verifier's stop token, included, unless
+        `ignore_eos`); greedy at temperature 0, else sampled (request i seeded `seed` + i)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         from eagle3x.engines.base import failing_as
 
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                 ignore_eos=ignore_eos,
+                                 seed=None if seed is None or temperature == 0 else seed + i)
+                  for i in range(len(prompts))]
         with failing_as("vllm", "serve", self.offset, self.rpc_timeout):
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(map(int, p)))
                                       for p in prompts], params, use_tqdm=False)

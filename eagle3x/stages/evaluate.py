@@ -6,7 +6,10 @@ The library is `eagle3x.evaluation`; this stage reads the config and runs, in or
    along the held-out replies, or `greedy` on the verifier's greedy continuations;
 2. with `eval.live`, the draft served by vLLM on held-out prompts beside the exact offline
    replay and the drafter's parity (`evaluation.live.serve_and_compare`);
-3. eval.json, the W&B summary and the console lines (`evaluation.report`).
+3. with `eval.benchmarks`, each prompt set (`evaluation.benchmarks`) served by vLLM with
+   and without the draft: acceptance per temperature, greedy equality, the speedup at
+   each `eval.concurrency` (`evaluation.served.run_sets`);
+4. eval.json, the W&B summary and table, the console lines (`evaluation.report`).
 """
 
 from __future__ import annotations
@@ -71,10 +74,30 @@ def run(plan: RunPlan, eval: EvalConfig, train: TrainConfig, extract: ExtractCon
             lv["offline_paths_same_as_served"] = (
                 sum(a == b for a, b in zip(mine, theirs)) / max(len(theirs), 1))
 
-    # 3. What is written and said.
+    # 3. Benchmark sets served by vLLM with and without the draft.
+    if eval.benchmarks:
+        from eagle3x.evaluation import benchmarks, served
+        from eagle3x.engines.base import vllm_options
+        from eagle3x.verifier import load_tokenizer
+
+        sets = benchmarks.load(eval.benchmarks, dict(eval.sets or {}), eval.max_prompts,
+                               lambda n: offline.held_out(plan, n))
+        tokenizer = load_tokenizer(vpath, plan.verifier.trust_remote_code)
+        positions = plan.verifier.info.raw.get("max_position_embeddings")
+        report["benchmarks"] = served.run_sets(
+            vpath, draft_dir, sets, tokenizer, dict(plan.source.template_kwargs), eval.depth,
+            list(eval.temperatures), eval.max_new_tokens, list(eval.concurrency),
+            vllm_options(engine, plan.verifier), eval.seed,
+            int(positions) if positions else None)
+
+    # 4. What is written and said.
     artifacts.write_json_atomic(out / "eval.json", report)
     wandb = sys.modules.get("wandb")  # the train stage of this run opened it, if any
     if wandb is not None and getattr(wandb, "run", None) is not None:
         wandb.run.summary.update(reporting.wandb_summary(report))
+        if "benchmarks" in report:
+            reporting.wandb_log(wandb, report["benchmarks"])
     reporting.log_report(report)
+    if "benchmarks" in report:
+        reporting.log_benchmarks(report["benchmarks"])
     return Outcome("eval", "wrote", out / "eval.json")
