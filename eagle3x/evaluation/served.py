@@ -4,7 +4,8 @@ greedy equality, and the speedup at each concurrency.
     measure_speed(engine, prompts, max_tokens, concurrency)
         One engine serving `prompts` with at most `concurrency` requests in flight (a new
         one is added as one finishes: a closed loop, what ``vllm bench serve
-        --max-concurrency`` does against a server), greedy, `max_tokens` each with EOS
+        --max-concurrency`` does against a server; the loop is ``LLM._run_engine``'s, in
+        ``vllm/entrypoints/common/offline.py``, adding requests as others finish), greedy, `max_tokens` each with EOS
         ignored, so with and without the draft do the same work. Output tokens/s is all
         output tokens over the wall time of the loop, as ``vllm/benchmarks/throughput.py``
         (``run_vllm``) times ``LLM.generate``; time to first token and time per output token

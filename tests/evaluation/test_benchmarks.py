@@ -153,3 +153,24 @@ def test_rows_flatten_eval_json_for_the_table():
     lines = benchmark_table(bench).splitlines()
     assert len(lines) == 2 and lines[0].split()[0] == "set" and lines[1].split()[0] == "s"
     json.dumps(row)
+
+
+def test_compare_shows_each_sets_columns_across_jobs(tmp_path):
+    """summary.json's benchmark rows become `<set>/<column>` columns of eagle3x.compare, a
+    job without a set showing none."""
+    from eagle3x.compare import format_table, rows_from_folder, table
+
+    rows = {"0": [{"set": "gsm8k", "prompts": 4, "accept_len_t0": 2.5, "greedy_identical": 1.0,
+                   "tok_s_with_c1": 9.0, "speedup_c1": 1.2}],
+            "1": [{"set": "gsm8k", "prompts": 4, "accept_len_t0": 2.9, "greedy_identical": 1.0,
+                   "tok_s_with_c1": 11.0, "speedup_c1": 1.4},
+                  {"set": "mt_bench", "prompts": 8, "accept_len_t0": 2.0, "speedup_c1": 0.9}]}
+    for job, bench in rows.items():
+        (tmp_path / job).mkdir()
+        (tmp_path / job / "summary.json").write_text(json.dumps(
+            {"overrides": [f"data.num_samples={10 * (int(job) + 1)}"], "benchmarks": bench}))
+    got = table(rows_from_folder(tmp_path))
+    assert [r["gsm8k/speedup_c1"] for r in got] == [1.2, 1.4]
+    assert [r["mt_bench/accept_len_t0"] for r in got] == [None, 2.0]
+    assert "gsm8k/tok_s_with_c1" not in got[0]  # the table keeps the comparable figures
+    assert "mt_bench/speedup_c1" in format_table(got).splitlines()[0]
