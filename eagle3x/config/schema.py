@@ -514,7 +514,8 @@ class EvalConfig:
     # Prompt sets of your own, by name: {path: <jsonl or datasets folder> | name: <hub
     # dataset>, config, split, field: <the prompt's field>, build: text|turns|alpaca|humaneval}.
     sets: Dict[str, Any] = field(default_factory=dict)
-    # At most this many prompts of each benchmark set (MT-Bench's two turns count as two).
+    # At most this many questions of each benchmark set (a two-turn question, as in
+    # MT-Bench, is served as two prompts).
     max_prompts: int = at_least(1, 16)
     # Sampling temperatures at which vLLM's acceptance is measured on each set (vLLM's
     # rejection sampler above 0; the offline estimate stays greedy).
