@@ -174,3 +174,39 @@ def test_compare_shows_each_sets_columns_across_jobs(tmp_path):
     assert [r["mt_bench/accept_len_t0"] for r in got] == [None, 2.0]
     assert "gsm8k/tok_s_with_c1" not in got[0]  # the table keeps the comparable figures
     assert "mt_bench/speedup_c1" in format_table(got).splitlines()[0]
+
+
+def _bench() -> dict:
+    side = {"output_tokens_per_s": 10.0, "tpot_ms_median": 5.0}
+    return {"device": "a CPU", "concurrency": [1], "sets": {
+        name: {"prompts": 2, "greedy_identical": 1.0,
+               "acceptance": [{"temperature": 0.0, "mean_accepted_length": length}],
+               "speed": [{"concurrency": 1, "without": side,
+                          "with": dict(side, output_tokens_per_s=10.0 * speedup),
+                          "speedup": speedup}]}
+        for name, length, speedup in [("gsm8k", 2.5, 1.3), ("mt_bench", 1.9, 0.8)]}}
+
+
+def test_the_sets_go_to_wandb_as_a_table_a_bar_plot_and_summary_keys(tmp_path):
+    """A real offline W&B run: the table and plot are logged, each set's figures are
+    summary keys `eval/<set>/<column>` (read back from the run's log)."""
+    wandb = pytest.importorskip("wandb")
+    from eagle3x.evaluation.report import wandb_log, wandb_summary
+    from eagle3x.tracking.offline import read_run
+
+    run = wandb.init(mode="offline", dir=str(tmp_path), project="t")
+    try:
+        wandb_log(wandb, _bench())
+        report = {"mean_accepted_length": 2.0, "acceptance_rate_per_depth": [0.5],
+                  "benchmarks": _bench()}
+        run.summary.update(wandb_summary(report))
+    finally:
+        run.finish()
+    (folder,) = (tmp_path / "wandb").glob("offline-run-*")
+    logged = read_run(folder)
+    media = {k[:-len("/_type")]: v for row in logged["history"] for k, v in row.items()
+             if k.endswith("/_type")}
+    assert media.get("eval/benchmarks") == "table-file", media  # the plot's table beside it
+    assert media.get("eval/benchmark_speedup_table") == "table-file", media
+    assert logged["summary"]["eval/gsm8k/speedup_c1"] == pytest.approx(1.3)
+    assert logged["summary"]["eval/mt_bench/accept_len_t0"] == pytest.approx(1.9)
