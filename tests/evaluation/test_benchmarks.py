@@ -210,3 +210,20 @@ def test_the_sets_go_to_wandb_as_a_table_a_bar_plot_and_summary_keys(tmp_path):
     assert media.get("eval/benchmark_speedup_table") == "table-file", media
     assert logged["summary"]["eval/gsm8k/speedup_c1"] == pytest.approx(1.3)
     assert logged["summary"]["eval/mt_bench/accept_len_t0"] == pytest.approx(1.9)
+
+
+def test_a_depth_the_draft_cannot_serve_is_refused_at_startup(cli, tmp_path):
+    """A draft whose config.json declares n_predict takes up to n_predict speculative
+    tokens or a multiple (vLLM's SpeculativeConfig); eval.depth beyond is refused."""
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"],
+                                                   "n_predict": 2}))
+    args = ["stage=eval", "logger=none", "engine=hf", f"eval.draft={draft}",
+            "eval.benchmarks=[held_out]"]
+    report = cli.refusal([*args, "eval.depth=3"], None).stderr
+    assert "x eval.depth=3" in report and "n_predict=2" in report, report
+    for servable in ("2", "4"):
+        assert cli.refusal([*args, f"eval.depth={servable}"], None) is None
+    assert cli.refusal(["stage=eval", "logger=none", "engine=hf", f"eval.draft={draft}",
+                        "eval.depth=3"], None) is None  # nothing served: the offline eval runs
