@@ -8,7 +8,11 @@
     probe        the vLLM worker extension that records what the served drafter computes
     vllm_check   `python -m eagle3x.evaluation.vllm_check`: greedy output with and without
                  the draft must be identical
-    report       eval.json's figures on the console and in W&B
+    benchmarks   eval.benchmarks: the registry of prompt sets, their startup checks,
+                 reading and rendering their prompts
+    served       each set served by vLLM with and without the draft: acceptance per
+                 temperature, greedy equality, the speedup per concurrency
+    report       eval.json's figures on the console, in W&B and in compare's columns
 
 Importing this package imports nothing heavy (vLLM's workers import `probe` through it).
 """
