@@ -21,10 +21,13 @@ speculation counters. Two pure functions put the offline side beside it:
 from __future__ import annotations
 
 import gc
+import logging
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
+
+log = logging.getLogger("eagle3x")
 
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
