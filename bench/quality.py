@@ -469,9 +469,9 @@ def child_peer_live(job: Dict[str, Any]) -> None:
 
     from eagle3x.config.compose import load_config, typed
     from eagle3x.config.schema import EngineName
-    from eagle3x.draft.live import ServedDraft, served_counts
+    from eagle3x.evaluation.live import ServedDraft, served_counts
     from eagle3x.engines.base import open_engine, vllm_options
-    from eagle3x.stages.evaluate import extract_all, held_out_prompts
+    from eagle3x.evaluation.offline import extract_all, held_out_prompts
 
     settings = typed(load_config(["stage=train", *job["overrides"]]))
     plan = _plan(job["overrides"])
@@ -515,7 +515,7 @@ def peer_replay(peer_site: str, draft_dir: Path, prompts: Sequence[Sequence[int]
     from safetensors.torch import load_file
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
-    from eagle3x.draft.live import greedy_rounds, summarise
+    from eagle3x.evaluation.live import greedy_rounds, summarise
 
     config = Eagle3SpeculatorConfig.from_pretrained(str(draft_dir))
     config.transformer_layer_config._attn_implementation = "sdpa"  # noqa: SLF001

@@ -6,7 +6,8 @@
 
 Rows are sorted by the swept keys (the overrides that differ between jobs). Columns: the
 swept values, train samples and tokens, val acc_0, expected and measured accepted
-length (offline, and vLLM's own with `eval.live`), wall time. Writes compare.csv and compare.png (accepted length and acc_0 against
+length (offline, and vLLM's own with `eval.live`), wall time, and with `eval.benchmarks`
+`<set>/accept_len_t<T>`, `<set>/greedy_identical` and `<set>/speedup_c<N>` per set. Writes compare.csv and compare.png (accepted length and acc_0 against
 the swept value) next to the inputs, or under --out; with --log-wandb the table and plot
 also go to W&B (a `wandb.Table` and an image in a run of job type `compare`).
 """
@@ -47,8 +48,26 @@ def rows_from_folder(folder: Path) -> List[Dict[str, Any]]:
                      "eval_accepted_length": s.get("eval_accepted_length"),
                      "live_accepted_length": s.get("live_accepted_length"),
                      "seconds": round(sum((s.get("stage_seconds") or {}).values()), 1),
-                     "hidden": (s.get("artifacts") or {}).get("hidden", {}).get("status")})
-    return rows
+                     "hidden": (s.get("artifacts") or {}).get("hidden", {}).get("status"),
+                     **benchmark_columns(s.get("benchmarks") or [])})
+    return fill(rows)
+
+
+#: The benchmark columns compare shows of each set (eval.json's rows carry more).
+BENCHMARK_COLUMNS = ("accept_len_t", "greedy_identical", "speedup_c")
+
+
+def benchmark_columns(rows: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """`<set>/<column>` of each benchmark set's row (summary.json's ``benchmarks``): the
+    accepted length at each temperature, greedy equality, the speedup at each concurrency."""
+    return {f"{r['set']}/{k}": v for r in rows for k, v in r.items()
+            if k != "set" and k.startswith(BENCHMARK_COLUMNS)}
+
+
+def fill(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Every row with every column (None where a job has no such figure), in first-seen order."""
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    return [{c: r.get(c) for c in cols} for r in rows]
 
 
 def _row_from_run(run: Dict[str, Any], name: str) -> Dict[str, Any]:
@@ -58,7 +77,10 @@ def _row_from_run(run: Dict[str, Any], name: str) -> Dict[str, Any]:
             "acc_0": summary.get("val/acc_0"), "val_accept_len": summary.get("val/accept_len"),
             "eval_accepted_length": summary.get("eval/mean_accepted_length"),
             "live_accepted_length": summary.get("eval/live_mean_accepted_length"),
-            "seconds": summary.get("_runtime"), "hidden": None}
+            "seconds": summary.get("_runtime"), "hidden": None,
+            **{k[len("eval/"):]: v for k, v in summary.items()
+               if k.startswith("eval/") and k.count("/") == 2
+               and k.split("/")[2].startswith(BENCHMARK_COLUMNS)}}
 
 
 def rows_from_wandb_offline(root: Path, group: str) -> List[Dict[str, Any]]:
@@ -69,7 +91,7 @@ def rows_from_wandb_offline(root: Path, group: str) -> List[Dict[str, Any]]:
         run = read_run(folder)
         if run.get("group") == group:
             rows.append(_row_from_run(run, run.get("name") or run["id"]))
-    return rows
+    return fill(rows)
 
 
 def rows_from_wandb_api(group: str, project: str, entity: Optional[str]) -> List[Dict[str, Any]]:
@@ -81,7 +103,7 @@ def rows_from_wandb_api(group: str, project: str, entity: Optional[str]) -> List
     for r in api.runs(path, filters={"group": group}):
         rows.append(_row_from_run({"summary": dict(r.summary), "config": dict(r.config),
                                    "tags": list(r.tags)}, r.name))
-    return rows
+    return fill(rows)
 
 
 def swept_keys(rows: List[Dict[str, Any]]) -> List[str]:

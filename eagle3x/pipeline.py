@@ -121,9 +121,10 @@ STAGES: Tuple[StageSpec, ...] = (
                       preflight.hidden_servers, preflight.export_formats)),
     StageSpec("eval", evaluate.run, sections=("eval", "train", "extract", "engine", "hidden"),
               checks=(preflight.foreign_shards, preflight.live_serving,
-                      preflight.engine_memory, preflight.vllm_family,
-                      preflight.hidden_servers),
-              precheck=lambda p, s: _vllm_support(p) if (s.eval.live or (
+                      preflight.benchmark_sets, preflight.served_depth,
+                      preflight.engine_memory,
+                      preflight.vllm_family, preflight.hidden_servers),
+              precheck=lambda p, s: _vllm_support(p) if (s.eval.live or s.eval.benchmarks or (
                   s.eval.offline is OfflineEval.greedy and s.engine.name is EngineName.vllm))
               else []),
     StageSpec("export", export.run, sections=("train", "trainer", "export", "draft"),

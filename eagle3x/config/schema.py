@@ -695,6 +695,31 @@ class EvalConfig:
         "verifier's greedy continuations of the first `prompts` held-out prompts (made by "
         "`engine`, up to `max_new_tokens`), rounds replayed as vLLM runs them: what vLLM's "
         "served figure is estimated by.")
+    benchmarks: List[str] = documented(
+        [], "Benchmark prompt sets served by vLLM with and without the draft (empty: none): "
+        "each entry held_out (this run's held-out prompts), a registry name (mt_bench, "
+        "humaneval, gsm8k, math500, alpaca; read through the data=hf reader, from the local "
+        "datasets cache offline), a key of eval.sets, or a local jsonl file / datasets "
+        "folder.")
+    sets: Dict[str, Any] = documented(
+        {}, "Prompt sets of your own, by name: {path: <jsonl or datasets folder> | name: "
+        "<hub dataset>, config, split, field: <the prompt's field>, build: "
+        "text|turns|alpaca|humaneval}.")
+    max_prompts: int = at_least(
+        1, 16, doc="At most this many questions of each benchmark set (a two-turn question, "
+        "as in MT-Bench, is served as two prompts).")
+    temperatures: List[float] = checked(
+        [0.0], lambda v: len(v) > 0 and all(0 <= t <= 2 for t in v),
+        "must be a non-empty list of temperatures in [0, 2]",
+        doc="Sampling temperatures at which vLLM's acceptance is measured on each set "
+        "(vLLM's rejection sampler above 0; the offline estimate stays greedy).")
+    concurrency: List[int] = checked(
+        [1], lambda v: all(isinstance(c, int) and c >= 1 for c in v),
+        "must be a list of request counts, each at least 1",
+        doc="Concurrent requests at which each set is served with and without the draft "
+        "(`max_new_tokens` each, EOS ignored, greedy): throughput, latencies, the speedup. "
+        "Empty: no speed measurement.")
+    seed: int = documented(0, "Seed of the sampled (temperature > 0) requests.")
 
 
 @dataclass
@@ -793,7 +818,7 @@ ALIASES = {
 
 
 #: Dict fields whose keys the user chooses: `key.anything=value` is accepted below them.
-OPEN_DICTS = ("data.chat_template_kwargs",)
+OPEN_DICTS = ("data.chat_template_kwargs", "eval.sets")
 
 
 def register() -> None:
@@ -803,6 +828,6 @@ def register() -> None:
     from omegaconf import OmegaConf
 
     node = OmegaConf.structured(Eagle3xConfig)
-    for key in OPEN_DICTS:  # their keys are the user's (a chat template's arguments)
+    for key in OPEN_DICTS:  # their keys are the user's (template arguments, set names)
         OmegaConf.set_struct(OmegaConf.select(node, key), False)
     ConfigStore.instance().store(name="eagle3x_schema", node=node)

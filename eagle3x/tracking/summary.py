@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from eagle3x import artifacts
 from eagle3x.artifacts import Outcome
@@ -57,6 +57,9 @@ def write(plan: RunPlan, outcomes: Sequence[Outcome], stage_seconds: Dict[str, f
         "live_acceptance_per_depth": live.get("served", {}).get("acceptance_rate_per_depth"),
         "greedy_accepted_length": live.get("greedy_offline", {}).get("mean_accepted_length"),
         "parity_max_rel_error": live.get("parity_max_rel_error"),
+        # eval.benchmarks: one flat row per prompt set (eagle3x.evaluation.report)
+        "benchmarks": _benchmark_rows(evaluation),
+        "benchmark_device": (evaluation.get("benchmarks") or {}).get("device"),
         "stage_seconds": stage_seconds,
         "artifacts": first_status(outcomes),
         "wandb_run_id": train.get("wandb_run_id"),
@@ -104,3 +107,10 @@ def table(plan: RunPlan, outcomes: Sequence[Outcome], stage_seconds: Dict[str, f
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     return "\n".join("  " + "  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4]
                      for r in rows)
+
+
+def _benchmark_rows(evaluation: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
+    from eagle3x.evaluation.report import benchmark_rows
+
+    bench = evaluation.get("benchmarks")
+    return benchmark_rows(bench) if bench else None

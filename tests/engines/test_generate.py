@@ -100,7 +100,7 @@ def test_the_greedy_estimates_continuations_are_one_at_a_time_greedy(tiny_verifi
     from transformers import AutoModelForCausalLM
 
     from eagle3x.engines.hf import HFEngine
-    from eagle3x.stages.evaluate import _hf_greedy
+    from eagle3x.evaluation.offline import _hf_greedy
 
     tok, prompts, stops = setup
     model = AutoModelForCausalLM.from_pretrained(str(tiny_verifier), dtype=torch.float32).eval()

@@ -6,8 +6,8 @@ vLLM engine.)"""
 
 from __future__ import annotations
 
-from eagle3x.draft.live import greedy_rounds, summarise
-from eagle3x.stages.evaluate import MEASURES, served_length
+from eagle3x.evaluation.live import greedy_rounds, summarise
+from eagle3x.evaluation.offline import MEASURES, served_length
 
 
 def test_a_greedy_request_returns_up_to_its_stop_token_or_the_limit():

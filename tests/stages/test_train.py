@@ -63,7 +63,7 @@ def untrained_report(overrides: list) -> dict:
     """Eval of the freshly initialised draft, on the same held-out samples."""
     from eagle3x.data.datamodule import HiddenStateDataModule
     from eagle3x.stages import vocab
-    from eagle3x.stages.evaluate import evaluate
+    from eagle3x.evaluation.offline import evaluate
     from eagle3x.stages.train import build_module
     from eagle3x.weights import verifier_head
 
@@ -293,7 +293,7 @@ def test_vllm_serves_the_export_as_an_eagle3_draft_with_identical_greedy_output(
     pytest.importorskip("vllm")
     run = full_run.run
     assert full_run.result.returncode == 0
-    r = subprocess.run([sys.executable, "-m", "eagle3x.draft.vllm_check", "--verifier",
+    r = subprocess.run([sys.executable, "-m", "eagle3x.evaluation.vllm_check", "--verifier",
                         str(tiny_verifier), "--draft", str(run / "draft"), "--k", "3"],
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
@@ -417,7 +417,7 @@ def test_vllms_draft_computes_what_eagle3x_trained_and_the_check_sees_each_mista
 
     from safetensors.torch import load_file
 
-    from eagle3x.draft.live import parity
+    from eagle3x.evaluation.live import parity
     from eagle3x.draft.save import load
     from eagle3x.engines.hf import HFEngine
     from eagle3x.weights import EMBED_NAMES, find_tensor

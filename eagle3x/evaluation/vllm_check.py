@@ -1,6 +1,6 @@
 """Serve an exported draft with vLLM beside its verifier and check it.
 
-    python -m eagle3x.draft.vllm_check --verifier VERIFIER_DIR --draft DRAFT_DIR [--k 3]
+    python -m eagle3x.evaluation.vllm_check --verifier VERIFIER_DIR --draft DRAFT_DIR [--k 3]
 
 Decodes the same prompts greedily with and without EAGLE-3 speculation, prints one json
 object on stdout (and nothing else: vLLM's own log goes to stderr): whether the outputs are
@@ -42,7 +42,7 @@ def check(verifier: str, draft: str, prompts: Sequence[List[int]], k: int = 3,
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from eagle3x.draft.live import ServedDraft, served_counts
+    from eagle3x.evaluation.live import ServedDraft, served_counts
     from eagle3x.engines.base import shutdown_llm
 
     longest = max(map(len, prompts)) + max_tokens + k + 2

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from eagle3x.draft.live import greedy_rounds, parity, summarise
+from eagle3x.evaluation.live import greedy_rounds, parity, summarise
 from tests.draft.test_ttt import TARGET_H, make_draft
 
 
@@ -66,7 +66,7 @@ def test_summary_rates_are_conditional_on_reaching_the_depth():
 
 def record_of(draft, aux, prompt, first):
     """What a drafter that computes exactly like `draft` would hand the probe."""
-    from eagle3x.draft.live import _target_logits
+    from eagle3x.evaluation.live import _target_logits
 
     n = len(prompt)
     with torch.no_grad():

@@ -1,7 +1,7 @@
 """A vLLM worker extension that records what a served EAGLE-3 draft receives and returns.
 
 Loaded into vLLM's worker processes through its supported extension point
-(``LLM(worker_extension_cls="eagle3x.draft.probe.DraftProbe")``, mixed into the worker
+(``LLM(worker_extension_cls="eagle3x.evaluation.probe.DraftProbe")``, mixed into the worker
 class by ``vllm/v1/worker/worker_base.py``, ``WorkerWrapperBase.init_worker``) and driven
 by ``LLM.collective_rpc``. While armed it records, call by call, on the drafter model that
 vLLM's EAGLE proposer runs (``model_runner.drafter.model``, an ``Eagle3LlamaForCausalLM``

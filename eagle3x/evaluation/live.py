@@ -1,7 +1,7 @@
 """The draft as vLLM serves it: live acceptance, the exact greedy offline estimate, parity.
 
 `ServedDraft` opens vLLM with the exported draft as its EAGLE-3 speculator (and the
-`eagle3x.draft.probe` worker extension), decodes prompts greedily and reads vLLM's own
+`eagle3x.evaluation.probe` worker extension), decodes prompts greedily and reads vLLM's own
 speculation counters. Two pure functions put the offline side beside it:
 
     greedy_rounds   replays greedy speculative decoding from per-position chain acceptance
@@ -14,15 +14,20 @@ speculation counters. Two pure functions put the offline side beside it:
     parity          compares what vLLM's drafter received and returned on its first two
                     steps of a prompt (the probe's record) with `Eagle3Draft.step` on the
                     stored features of the same tokens: the relative error of each.
+
+`serve_and_compare` is `eval.live`: the three side by side on a set of prompts.
 """
 
 from __future__ import annotations
 
 import gc
+import logging
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
+
+log = logging.getLogger("eagle3x")
 
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
@@ -119,11 +124,13 @@ def parity(record: Dict[str, torch.Tensor], draft: Any, aux: torch.Tensor,
 
 
 class ServedDraft:
-    """vLLM with `draft` as its EAGLE-3 speculator (greedy), with the draft probe loaded.
-    vLLM's errors come out as `EngineFailed` (the engine's log says why)."""
+    """vLLM with `draft` as its EAGLE-3 speculator (`depth` speculative tokens), or the
+    verifier alone when `draft` is None. With `probe` the draft probe is loaded (eager
+    modules: its hooks need them); without it `engine.enforce_eager` is kept. vLLM's
+    errors come out as `EngineFailed` (the engine's log says why)."""
 
-    def __init__(self, verifier: Path, draft: Path, depth: int, settings: Dict[str, Any],
-                 max_model_len: int):
+    def __init__(self, verifier: Path, draft: Optional[Path], depth: int,
+                 settings: Dict[str, Any], max_model_len: int, probe: bool = True):
         from eagle3x.engines.base import failing_as, set_rpc_timeout
         from eagle3x.engines.watch import StartWatch
 
@@ -131,12 +138,14 @@ class ServedDraft:
                   tensor_parallel_size=settings.get("tensor_parallel_size", 1),
                   quantization=settings.get("quantization"),
                   trust_remote_code=settings.get("trust_remote_code", False),
-                  enforce_eager=True,  # the probe's hooks need eager modules
+                  enforce_eager=True if probe else bool(settings.get("enforce_eager", False)),
                   gpu_memory_utilization=settings.get("gpu_memory_utilization", 0.85),
-                  max_model_len=max_model_len, disable_log_stats=False,
-                  worker_extension_cls="eagle3x.draft.probe.DraftProbe",
-                  speculative_config={"method": "eagle3", "model": str(draft),
-                                      "num_speculative_tokens": depth})
+                  max_model_len=max_model_len, disable_log_stats=False)
+        if probe:
+            kw["worker_extension_cls"] = "eagle3x.evaluation.probe.DraftProbe"
+        if draft is not None:
+            kw["speculative_config"] = {"method": "eagle3", "model": str(draft),
+                                        "num_speculative_tokens": depth}
         self.depth = depth
         self.rpc_timeout = set_rpc_timeout(settings)
         with StartWatch("vllm") as watch:
@@ -145,20 +154,25 @@ class ServedDraft:
                 from vllm import LLM
 
                 self.llm = LLM(**{k: v for k, v in kw.items() if v is not None})
-                self.llm.collective_rpc("eagle3x_probe_install")
+                if probe:
+                    self.llm.collective_rpc("eagle3x_probe_install")
         model_config = getattr(self.llm.llm_engine, "model_config", None)
         self.dtype = str(getattr(model_config, "dtype", settings.get("dtype"))).replace("torch.", "")
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int,
-                 ignore_eos: bool = False) -> List[List[int]]:
-        """Greedy continuations (ending at the verifier's stop token, included, unless
-        `ignore_eos`)."""
+                 ignore_eos: bool = False, temperature: float = 0.0,
+                 seed: Optional[int] = None) -> List[List[int]]:
+        """Continuations (ending at the verifier's stop token, included, unless
+        `ignore_eos`); greedy at temperature 0, else sampled (request i seeded `seed` + i)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         from eagle3x.engines.base import failing_as
 
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                 ignore_eos=ignore_eos,
+                                 seed=None if seed is None or temperature == 0 else seed + i)
+                  for i in range(len(prompts))]
         with failing_as("vllm", "serve", self.offset, self.rpc_timeout):
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(map(int, p)))
                                       for p in prompts], params, use_tqdm=False)
@@ -219,3 +233,52 @@ def first_trained(mask: Sequence[int]) -> Optional[int]:
         if m:
             return i
     return None
+
+
+def serve_and_compare(plan: Any, extract: Any, engine: Any, draft_dir: Path, draft: Any,
+                      head: torch.Tensor, prompts: List[List[int]], depth: int, m: int
+                      ) -> Dict[str, Any]:
+    """`eval.live`: serve the draft with vLLM on `prompts` (greedy, `m` new tokens, `depth`
+    speculative); vLLM's counters beside the exact offline replay of the same paths, and
+    the parity of vLLM's drafter with `draft` on the first prompt. `plan` is the run's
+    RunPlan, `extract` and `engine` its typed sections (the features are extracted by the
+    configured engine)."""
+    from eagle3x.engines.base import open_engine, vllm_options
+    from eagle3x.evaluation.offline import extract_all, replay
+
+    longest = max(map(len, prompts)) + m + depth + 2
+    options = vllm_options(engine, plan.verifier)
+    log.info("eval: serving %s with vLLM on %d held-out prompts (%d new tokens, %d speculative)",
+             draft_dir, len(prompts), m, depth)
+    served = ServedDraft(plan.verifier.path, draft_dir, depth, options, longest)
+    dtype = served.dtype
+    try:
+        before = served.counters()
+        made = served.generate(prompts, m)  # as served: up to m tokens, ending at EOS
+        counts = served_counts(before, served.counters(), depth)
+        # The same greedy paths, long enough for the last rounds' verification.
+        paths = served.generate(prompts, m + depth + 1, ignore_eos=True)
+        record = served.record_first_steps(prompts[0], plan.run_dir / "parity.safetensors")
+    finally:
+        served.close()
+    consistent = all(p[:len(q)] == q for p, q in zip(paths, made))
+
+    seqs = [p + q for p, q in zip(prompts, paths)]
+    eng = open_engine(engine, plan.verifier, plan.aux_layer_ids, longest, plan.run_dir)
+    try:
+        feats = extract_all(eng, seqs, extract.batch_size)
+    finally:
+        eng.close()
+    offline = replay(draft, head, prompts, seqs, [len(q) for q in made], feats, depth)
+    agreement = offline.pop("verifier_agreement")
+
+    errors = parity(record, draft, feats[0][0], prompts[0], int(record["first"][0]))
+    gap = (offline["mean_accepted_length"] / counts["mean_accepted_length"] - 1
+           if counts["mean_accepted_length"] and offline["mean_accepted_length"] else None)
+    return {"prompts": len(prompts), "max_new_tokens": m, "depth": depth,
+            "mean_new_tokens": sum(map(len, made)) / len(made),
+            "served": counts, "greedy_offline": offline, "offline_vs_served": gap,
+            "speculative_paths_consistent": consistent,
+            "verifier_agreement": agreement, "parity": errors,
+            "parity_max_rel_error": max(v for k, v in errors.items() if k != "same_first_proposal"),
+            "served_dtype": dtype, "_served": made}
