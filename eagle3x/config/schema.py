@@ -480,6 +480,13 @@ class TrainerConfig:
     max_steps: int = checked(200, lambda v: v >= 1 or v == -1,
                              "must be at least 1 (or -1: epochs decide)")
     max_epochs: Optional[int] = at_least(1, None, "must be at least 1")
+    # Seconds of training wall time (Lightning's Trainer max_time: checked after every
+    # step, so the step under way finishes): training stops at whichever of max_steps /
+    # max_time comes first, and the learning-rate schedule runs on the further of the two
+    # fractions (step / max_steps, time / max_time), so a run cut by time ends its decay.
+    # bench/quality.py's --budget-seconds compares recipes at equal time with it.
+    max_time: Optional[float] = checked(None, lambda v: v is None or v > 0,
+                                        "must be positive seconds, or null")
     gradient_clip_val: Optional[float] = 0.5
     accumulate_grad_batches: int = at_least(1, 1)
     log_every_n_steps: int = at_least(1, 10)

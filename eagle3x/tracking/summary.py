@@ -2,7 +2,8 @@
 
 Written into the job's folder (the Hydra run dir, or train.output_dir) after the stages:
 the overrides, data size, per-stage wall time, each artifact built or reused, training
-tokens and final per-step accuracies, and the eval acceptance (offline, and live in vLLM
+tokens, the training's cost (FLOPs per token, tokens/s, share of the peak) and final
+per-step accuracies, and the eval acceptance (offline, and live in vLLM
 with `eval.live`). `eagle3x.compare` reads it.
 """
 
@@ -57,6 +58,8 @@ def write(plan: RunPlan, outcomes: Sequence[Outcome], stage_seconds: Dict[str, f
         "live_acceptance_per_depth": live.get("served", {}).get("acceptance_rate_per_depth"),
         "greedy_accepted_length": live.get("greedy_offline", {}).get("mean_accepted_length"),
         "parity_max_rel_error": live.get("parity_max_rel_error"),
+        # draft FLOPs per token, tokens/s and the share of the device's peak (stages/train)
+        "train_cost": train.get("cost"),
         "stage_seconds": stage_seconds,
         "artifacts": first_status(outcomes),
         "wandb_run_id": train.get("wandb_run_id"),
