@@ -126,19 +126,19 @@ def training_cost(module: Any, dm: Any, train: TrainConfig,
 
     shape = dict(module.hparams.shape)
     context = causal_context(dm.train_lengths(), shape.get("sliding_window"))
-    fraction, head_fraction = 1.0, "1 (online hidden states: every position, an upper bound)"
+    fraction, head_from = 1.0, "online hidden states: every position, an upper bound"
     if dm.features is None:  # the lm_head sees trained positions only: their share, from
         n = min(len(dm.train_set), 64)  # the first 64 training samples' loss masks
         masks = [dm.train_set[i]["loss_mask"] for i in range(n)]
         total = sum(len(m) for m in masks)
         fraction = float(sum(int(m[1:].sum()) for m in masks)) / max(total, 1) if n else 1.0
-        head_fraction = f"{fraction:.3f} (the loss masks of {n} training samples)"
+        head_from = f"the loss masks of {n} training samples"
     parts = flops_per_token(shape, train.ttt_steps, context, fraction,
                             lm_head_trained=not train.freeze_lm_head)
     cost: Dict[str, Any] = {
         "flops_per_token": parts["train"], "ttt_steps": train.ttt_steps,
         "forward_flops_per_token": {k: v for k, v in parts.items() if k != "train"},
-        "context": round(context, 2), "head_fraction": head_fraction,
+        "context": round(context, 2), "head_fraction": fraction, "head_fraction_from": head_from,
         "counted": "matmuls; forward + backward: fc 2x, lm_head 3x trained / 2x frozen, "
                    "teacher 1x, the rest 3x (eagle3x.draft.cost)"}
     tps = throughput.get("tokens_per_second")
@@ -264,7 +264,9 @@ def run(plan: RunPlan, train: TrainConfig, trainer: TrainerConfig, logger: Logge
     preemption = Preemption(out / "checkpoints" / "last.ckpt")
     preemption.install()
     ranks = RankFailures(out)
-    speed = throughput_callback(skip=min(5, max(trainer.max_steps // 4, 0))
+    # a time-bound run (trainer.max_time) may take few steps: its speed after the first
+    speed = throughput_callback(skip=1 if trainer.max_time else
+                                min(5, max(trainer.max_steps // 4, 0))
                                 if trainer.max_steps > 0 else 5)
     pin_threads()
     L.seed_everything(train.seed, workers=True, verbose=False)

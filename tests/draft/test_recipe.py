@@ -224,3 +224,38 @@ def test_trainer_max_time_stops_a_run_far_from_its_step_cap(tmp_path):
     trainer.fit(Slow())
     took = time.perf_counter() - t0
     assert 10 <= trainer.global_step < 200 and 1.9 <= took < 20
+
+
+def test_the_progress_line_of_a_time_bound_run_counts_down_its_time(tmp_path):
+    import time
+
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from eagle3x.config.schema import TrainerConfig
+    from eagle3x.draft.callbacks import time_left
+    from eagle3x.stages.train import make_trainer
+
+    seen = []
+
+    class Slow(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(4))
+
+        def training_step(self, batch, _i):
+            time.sleep(0.05)
+            seen.append(time_left(self.trainer))
+            return (self.w * batch).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        def train_dataloader(self):
+            return DataLoader(torch.ones(64, 4), batch_size=1)
+
+    t = TrainerConfig(max_steps=10 ** 6, max_time=1.0, enable_progress_bar=False,
+                      accelerator="cpu", devices="1", val_check_interval=10 ** 6)
+    make_trainer(t, tmp_path, None).fit(Slow())
+    assert seen and 0.5 < seen[0] <= 1.0 and seen[-1] < seen[0] and min(seen) >= 0
+    assert time_left(make_trainer(TrainerConfig(max_steps=5), tmp_path, None)) is None
