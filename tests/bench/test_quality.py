@@ -100,3 +100,10 @@ def test_acceptance_per_training_second_is_what_each_second_bought():
     assert quality.per_ks(None, 500) is None and quality.per_ks(2.0, None) is None
     line = quality.rows_of([record("code", "peer", 0, 1.5, 250)])[2]
     assert "| **1.500** | 2.00 |" in line
+
+
+def test_eagle3x_train_seconds_leave_its_validation_out():
+    assert quality.fit_seconds({"train_seconds": 119.0,
+                                "throughput": {"validation_seconds": 25.5}}) == 93.5
+    assert quality.fit_seconds({"train_seconds": 80.0}) == 80.0
+    assert quality.fit_seconds({}) is None
