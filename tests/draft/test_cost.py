@@ -93,7 +93,7 @@ def test_known_gpus_have_their_dense_bf16_peak_and_others_none():
 
 def test_the_cpu_rate_is_a_real_measurement_and_the_line_says_what_it_is_of():
     rate = measured_matmul_rate(size=128, seconds=0.05)
-    assert 1e8 < rate < 1e14
+    assert 1e6 < rate < 1e14  # (68 MFLOP/s seen at 128x128 on the loaded 2-core VM)
     cost = {"flops_per_token": 2.5e9, "ttt_steps": 7, "tokens_per_second": 100.0,
             "achieved_flops": 2.5e11, "peak_flops": 1e12, "fraction_of_peak": 0.25,
             "peak": "X dense bf16 peak"}
