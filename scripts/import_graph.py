@@ -37,7 +37,7 @@ LAYERS: Dict[str, int] = {
     "eagle3x.hub": 0, "eagle3x.job": 0, "eagle3x.published": 0,
     "eagle3x.config": 0, "eagle3x.config.problems": 0, "eagle3x.config.schema": 0,
     "eagle3x.plan": 1, "eagle3x.config.compose": 1, "eagle3x.config.rules": 1,
-    "eagle3x.engines": 2, "eagle3x.draft": 2, "eagle3x.data": 2,
+    "eagle3x.engines": 2, "eagle3x.draft": 2, "eagle3x.data": 2, "eagle3x.evaluation": 2,
     "eagle3x.checks": 3, "eagle3x.tracking": 3,
     "eagle3x.stages": 4,
     "eagle3x.pipeline": 5, "eagle3x.stopping": 5,

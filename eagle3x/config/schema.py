@@ -654,6 +654,14 @@ class TrainerConfig:
                              doc="Optimizer steps to train (-1: max_epochs decides).")
     max_epochs: Optional[int] = at_least(1, None, "must be at least 1",
                                          doc="Epochs to train (null: max_steps decides).")
+    max_time: Optional[float] = checked(
+        None, lambda v: v is None or v > 0, "must be positive seconds, or null",
+        doc="Seconds of training wall time (Lightning's Trainer max_time: checked after "
+        "every step, so the step under way finishes): training stops at whichever of "
+        "max_steps / max_time comes first, and the learning-rate schedule runs on the "
+        "further of the two fractions (step / max_steps, time / max_time), so a run cut by "
+        "time ends its decay. bench/quality.py's --budget-seconds compares recipes at equal "
+        "time with it.")
     gradient_clip_val: Optional[float] = documented(
         0.5, "Gradients are clipped to this norm (null: not clipped).")
     accumulate_grad_batches: int = at_least(

@@ -357,6 +357,10 @@ class HiddenStateDataModule(L.LightningDataModule):
         lengths = self._lengths(self.train_set.indices)
         return sum(lengths) / max(len(lengths), 1) * min(self.batch_size, len(lengths))
 
+    def train_lengths(self) -> List[int]:
+        """Every training sample's length in tokens (cost figures)."""
+        return self._lengths(self.train_set.indices)
+
     def _lengths(self, indices: Sequence[int]) -> List[int]:
         source = self.features if self.features is not None else self.train_set.reader
         return [source.length(i) for i in indices]

@@ -80,10 +80,24 @@ class ProgressLines(L.Callback):
         parts.append(f"{self.counted / max(took, 1e-9):.0f} tok/s"
                      + (f" per process ({world})" if world > 1 else ""))
         parts.append(f"{console.duration(took)} elapsed")
-        if total and total > 0 and step < total and done:
-            parts.append(f"ETA {console.duration(took / done * (total - step))}")
+        eta = (took / done * (total - step) if total and total > 0 and step < total and done
+               else None)
+        left = time_left(trainer)  # trainer.max_time: whichever bound comes first
+        if left is not None:
+            eta = left if eta is None else min(eta, left)
+        if eta is not None:
+            parts.append(f"ETA {console.duration(eta)}")
         of = f"/{total} ({100 * step / total:.0f}%)" if total and total > 0 else ""
         log.info("train step %d%s: %s", step, of, ", ".join(parts), extra=self.extra)
+
+
+def time_left(trainer: Any) -> Optional[float]:
+    """Seconds of trainer.max_time left (Lightning's Timer), or None without one."""
+    from lightning.pytorch.callbacks import Timer
+
+    timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
+    left = timer.time_remaining("train") if timer is not None else None
+    return None if left is None else max(float(left), 0.0)
 
 
 class Preemption(L.Callback):

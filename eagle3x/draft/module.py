@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -22,6 +23,7 @@ class DraftModule(L.LightningModule):
 
     def __init__(self, *, shape: Dict[str, Any], train: Dict[str, Any], verifier: str,
                  tied_head: bool, aux_layer_ids: list, max_steps: int,
+                 max_seconds: Optional[float] = None,
                  d2t: Optional[torch.Tensor] = None, t2d: Optional[torch.Tensor] = None,
                  logit_softcap: Optional[float] = None, logit_scale: float = 1.0):
         super().__init__()
@@ -47,6 +49,18 @@ class DraftModule(L.LightningModule):
                                      impl=getattr(impl, "value", impl),
                                      checkpoint_mlp_tokens=train.get("checkpoint_mlp_tokens", 16384))
         self._val: Dict[str, list] = {}
+        self._clock: Optional[float] = None  # training's start (the time-bound schedule)
+
+    def on_train_start(self) -> None:
+        self._clock = time.perf_counter()
+
+    def time_done(self) -> float:
+        """The fraction of `max_seconds` (trainer.max_time) spent since training started
+        (0 without a time bound or before training)."""
+        seconds = self.hparams.get("max_seconds")
+        if not seconds or self._clock is None:
+            return 0.0
+        return (time.perf_counter() - self._clock) / seconds
 
     def _metrics(self, batch: Dict[str, torch.Tensor], denominators: Optional[torch.Tensor] = None,
                  accuracy: bool = True) -> Dict[str, torch.Tensor]:
@@ -250,13 +264,25 @@ class DraftModule(L.LightningModule):
         else:
             opt = adamw(params, t, fused)
         total = max(self.hparams.max_steps, 1)
+        timed = bool(self.hparams.get("max_seconds"))
+        # Without a time bound the warmup is 1% of max_steps (at least 1 step). With one
+        # (trainer.max_time) and no train.warmup_steps: the first 1% of the run, the
+        # further of steps and time, the first step at 1% of the rate.
+        by_fraction = timed and t.get("warmup_steps") is None
         warmup = t["warmup_steps"] if t.get("warmup_steps") is not None else max(1, round(total / 100))
         schedule, floor = t.get("schedule", "cosine"), t.get("min_lr_ratio", 0.1)
 
         def factor(step: int) -> float:
-            if step < warmup:
+            if by_fraction:
+                done = max(step / total, self.time_done())
+                if done < 0.01:
+                    return max(done / 0.01, 0.01)
+                progress = min((done - 0.01) / 0.99, 1.0)
+            elif step < warmup:
                 return (step + 1) / max(warmup, 1)
-            progress = min((step - warmup) / max(total - warmup, 1), 1.0)
+            else:
+                progress = min(max((step - warmup) / max(total - warmup, 1), self.time_done()),
+                               1.0)
             if schedule == "constant":
                 return 1.0
             if schedule == "linear":

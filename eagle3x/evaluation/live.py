@@ -244,7 +244,6 @@ def serve_and_compare(plan: Any, extract: Any, engine: Any, draft_dir: Path, dra
     RunPlan, `extract` and `engine` its typed sections (the features are extracted by the
     configured engine)."""
     from eagle3x.engines.base import open_engine, vllm_options
-    from eagle3x.evaluation.offline import extract_all, replay
 
     longest = max(map(len, prompts)) + m + depth + 2
     options = vllm_options(engine, plan.verifier)
@@ -282,3 +281,51 @@ def serve_and_compare(plan: Any, extract: Any, engine: Any, draft_dir: Path, dra
             "verifier_agreement": agreement, "parity": errors,
             "parity_max_rel_error": max(v for k, v in errors.items() if k != "same_first_proposal"),
             "served_dtype": dtype, "_served": made}
+
+
+def extract_all(eng: Any, seqs: Sequence[Sequence[int]], batch_size: int) -> List[Any]:
+    """(aux, last) hidden states of each sequence, `batch_size` sequences per engine call."""
+    feats: List[Any] = []
+    for i in range(0, len(seqs), batch_size):
+        feats += eng.extract(seqs[i:i + batch_size])
+    return feats
+
+
+def replay(draft: Any, head: Any, prompts: Sequence[Sequence[int]],
+           seqs: Sequence[Sequence[int]], served: Sequence[int], feats: Sequence[Any],
+           depth: int) -> Dict[str, Any]:
+    """Greedy speculative decoding replayed on each prompt's greedy path `seqs` (prompt +
+    continuation, `depth` + 1 tokens past what was served): the draft's chain acceptance
+    from every position, rounds replayed as vLLM runs them for a request that returned
+    `served` tokens. Also the mean over every position of the same paths, and how often
+    the stored last hidden states' greedy token is the path's next token (1.0 when the
+    features are those of the path's own engine)."""
+    import torch
+
+    from eagle3x.evaluation.live import greedy_rounds, summarise
+    from eagle3x.draft.ttt import chain_acceptance, shift
+
+    drafts = accepted = 0
+    per_pos = [0] * depth
+    agree = total = 0
+    every: List[int] = []
+    for prompt, seq, made, (aux, last) in zip(prompts, seqs, served, feats):
+        ids = torch.tensor([list(seq)])
+        batch = {"input_ids": ids, "aux_hidden": aux[None].float(), "last_hidden": last[None],
+                 "loss_mask": torch.ones_like(ids), "lengths": torch.tensor([len(seq)])}
+        nxt = shift(ids, 1, -1)
+        acc = chain_acceptance(draft, batch, head, depth, greedy=nxt)["accepted"][0]
+        n = len(prompt)
+        rounds = greedy_rounds(acc.tolist(), n - 1, made)
+        drafts += rounds["num_drafts"]
+        accepted += rounds["num_accepted_tokens"]
+        for j, c in enumerate(rounds["accepted_per_pos"]):
+            per_pos[j] += c
+        every += (acc[n - 1:n - 2 + made] + 1).tolist()
+        own = (last.float() @ head.T).argmax(-1)[n - 1:-1]
+        agree += int((own == ids[0, n:]).sum())
+        total += own.numel()
+    out = summarise(drafts, accepted, per_pos, depth)
+    out["all_positions_mean_accepted_length"] = sum(every) / max(len(every), 1)
+    out["verifier_agreement"] = agree / max(total, 1)
+    return out

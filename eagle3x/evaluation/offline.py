@@ -97,54 +97,6 @@ def served_length(path: Sequence[int], stops: Set[int], max_new_tokens: int) -> 
     return min(max_new_tokens, len(path))
 
 
-def extract_all(eng: Any, seqs: Sequence[Sequence[int]], batch_size: int) -> List[Any]:
-    """(aux, last) hidden states of each sequence, `batch_size` sequences per engine call."""
-    feats: List[Any] = []
-    for i in range(0, len(seqs), batch_size):
-        feats += eng.extract(seqs[i:i + batch_size])
-    return feats
-
-
-def replay(draft: Any, head: Any, prompts: Sequence[Sequence[int]],
-           seqs: Sequence[Sequence[int]], served: Sequence[int], feats: Sequence[Any],
-           depth: int) -> Dict[str, Any]:
-    """Greedy speculative decoding replayed on each prompt's greedy path `seqs` (prompt +
-    continuation, `depth` + 1 tokens past what was served): the draft's chain acceptance
-    from every position, rounds replayed as vLLM runs them for a request that returned
-    `served` tokens. Also the mean over every position of the same paths, and how often
-    the stored last hidden states' greedy token is the path's next token (1.0 when the
-    features are those of the path's own engine)."""
-    import torch
-
-    from eagle3x.evaluation.live import greedy_rounds, summarise
-    from eagle3x.draft.ttt import chain_acceptance, shift
-
-    drafts = accepted = 0
-    per_pos = [0] * depth
-    agree = total = 0
-    every: List[int] = []
-    for prompt, seq, made, (aux, last) in zip(prompts, seqs, served, feats):
-        ids = torch.tensor([list(seq)])
-        batch = {"input_ids": ids, "aux_hidden": aux[None].float(), "last_hidden": last[None],
-                 "loss_mask": torch.ones_like(ids), "lengths": torch.tensor([len(seq)])}
-        nxt = shift(ids, 1, -1)
-        acc = chain_acceptance(draft, batch, head, depth, greedy=nxt)["accepted"][0]
-        n = len(prompt)
-        rounds = greedy_rounds(acc.tolist(), n - 1, made)
-        drafts += rounds["num_drafts"]
-        accepted += rounds["num_accepted_tokens"]
-        for j, c in enumerate(rounds["accepted_per_pos"]):
-            per_pos[j] += c
-        every += (acc[n - 1:n - 2 + made] + 1).tolist()
-        own = (last.float() @ head.T).argmax(-1)[n - 1:-1]
-        agree += int((own == ids[0, n:]).sum())
-        total += own.numel()
-    out = summarise(drafts, accepted, per_pos, depth)
-    out["all_positions_mean_accepted_length"] = sum(every) / max(len(every), 1)
-    out["verifier_agreement"] = agree / max(total, 1)
-    return out
-
-
 def held_out(plan: RunPlan, count: int) -> List[List[int]]:
     """`held_out_prompts`, refusing a split with none."""
     prompts = held_out_prompts(plan, count)
@@ -152,6 +104,13 @@ def held_out(plan: RunPlan, count: int) -> List[List[int]]:
         raise artifacts.ArtifactError(f"{plan.prepared.folder}: no held-out sample has a prompt "
                                       "before its first trained token (data.holdout_samples=0?)")
     return prompts
+
+
+def extract_all(eng: Any, seqs: Sequence[Sequence[int]], batch_size: int) -> List[Any]:
+    """(aux, last) hidden states of each sequence (evaluation.live.extract_all)."""
+    from eagle3x.evaluation import live
+
+    return live.extract_all(eng, seqs, batch_size)
 
 
 def _hf_greedy(eng: Any, head: Any, prompts: Sequence[Sequence[int]], length: int,
@@ -230,6 +189,8 @@ def greedy_offline(plan: RunPlan, extract: ExtractConfig, engine: EngineConfig, 
     stops = stop_tokens(plan.verifier.path)
     served = [served_length(q, stops, m) for q in paths]
     seqs = [list(p) + q for p, q in zip(prompts, paths)]
+    from eagle3x.evaluation.live import replay
+
     out = replay(draft, head, prompts, seqs, served, feats, depth)
     out.update(prompts=len(prompts), max_new_tokens=m, depth=depth,
                mean_new_tokens=sum(served) / len(served), engine=engine.name.value,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from datetime import timedelta
 from os import environ
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -34,13 +35,15 @@ log = logging.getLogger("eagle3x")
 
 
 def build_module(plan: RunPlan, train: TrainConfig, max_steps: int,
-                 draft: Optional[Dict[str, Any]] = None, load_init: bool = True) -> Any:
+                 draft: Optional[Dict[str, Any]] = None, load_init: bool = True,
+                 max_seconds: Optional[float] = None) -> Any:
     """The Lightning module for the plan's verifier and vocabulary (vocab must exist);
     `draft`: the architecture options (DraftConfig.options(), or a checkpoint's). With
     `plan.init` (draft.init) the architecture is the published draft's and, with
     `load_init`, its weights are loaded: every one, lm_head rows re-mapped by token id
     when the vocab artifact re-mapped them (its `rows`; new rows keep the verifier's
-    lm_head rows DraftModule starts from)."""
+    lm_head rows DraftModule starts from). `max_seconds`: trainer.max_time (the schedule
+    runs on time too)."""
     import torch
 
     from eagle3x.draft.module import DraftModule
@@ -58,7 +61,8 @@ def build_module(plan: RunPlan, train: TrainConfig, max_steps: int,
         shape=shape,
         train=plain(dataclasses.asdict(train)), verifier=str(plan.verifier.path),
         tied_head=plan.verifier.tied_head, aux_layer_ids=list(plan.aux_layer_ids),
-        max_steps=max_steps, d2t=torch.from_numpy(v["d2t"]), t2d=torch.from_numpy(v["t2d"]),
+        max_steps=max_steps, max_seconds=max_seconds, d2t=torch.from_numpy(v["d2t"]),
+        t2d=torch.from_numpy(v["t2d"]),
         logit_softcap=plan.verifier.info.logit_softcap,
         logit_scale=plan.verifier.info.logit_scale)
     if plan.init is not None and load_init:
@@ -141,6 +145,40 @@ def throughput_callback(skip: int = 5) -> Any:
     return Throughput()
 
 
+def training_cost(module: Any, dm: Any, train: TrainConfig,
+                  throughput: Dict[str, Any]) -> Dict[str, Any]:
+    """The train summary's cost: draft FLOPs per token (eagle3x.draft.cost: the matmuls of
+    forward + backward for this shape, TTT steps and the training samples' causal context),
+    the loop's tokens/s, the FLOP/s that makes, and its share of the device's peak (a GPU's
+    tabled dense bf16 peak; on a CPU a float32 matmul rate measured here)."""
+    from eagle3x.draft.cost import causal_context, device_peak, flops_per_token
+
+    shape = dict(module.hparams.shape)
+    context = causal_context(dm.train_lengths(), shape.get("sliding_window"))
+    fraction, head_from = 1.0, "online hidden states: every position, an upper bound"
+    if dm.features is None:  # the lm_head sees trained positions only: their share, from
+        n = min(len(dm.train_set), 64)  # the first 64 training samples' loss masks
+        masks = [dm.train_set[i]["loss_mask"] for i in range(n)]
+        total = sum(len(m) for m in masks)
+        fraction = float(sum(int(m[1:].sum()) for m in masks)) / max(total, 1) if n else 1.0
+        head_from = f"the loss masks of {n} training samples"
+    parts = flops_per_token(shape, train.ttt_steps, context, fraction,
+                            lm_head_trained=not train.freeze_lm_head)
+    cost: Dict[str, Any] = {
+        "flops_per_token": parts["train"], "ttt_steps": train.ttt_steps,
+        "forward_flops_per_token": {k: v for k, v in parts.items() if k != "train"},
+        "context": round(context, 2), "head_fraction": fraction, "head_fraction_from": head_from,
+        "counted": "matmuls; forward + backward: fc 2x, lm_head 3x trained / 2x frozen, "
+                   "teacher 1x, the rest 3x (eagle3x.draft.cost)"}
+    tps = throughput.get("tokens_per_second")
+    if tps:
+        peak, what = device_peak(module.device)
+        cost.update(tokens_per_second=tps, achieved_flops=tps * parts["train"],
+                    peak_flops=peak, peak=what,
+                    fraction_of_peak=tps * parts["train"] / peak if peak else None)
+    return cost
+
+
 def make_trainer(t: TrainerConfig, out: Path, logger: Any, keep: int = 3,
                  progress_seconds: float = 30.0, extra: Optional[list] = None) -> Any:
     """The Lightning Trainer for `trainer.*`: step checkpoints (the newest `keep` of them,
@@ -179,6 +217,7 @@ def make_trainer(t: TrainerConfig, out: Path, logger: Any, keep: int = 3,
         accelerator=t.accelerator, devices=devices, num_nodes=t.num_nodes, strategy=t.strategy,
         precision=t.precision,
         max_steps=t.max_steps, max_epochs=t.max_epochs if t.max_epochs else -1,
+        max_time=None if t.max_time is None else timedelta(seconds=t.max_time),
         gradient_clip_val=t.gradient_clip_val, accumulate_grad_batches=t.accumulate_grad_batches,
         log_every_n_steps=t.log_every_n_steps,
         val_check_interval=int(val_every) * t.accumulate_grad_batches,
@@ -255,13 +294,16 @@ def run(plan: RunPlan, train: TrainConfig, trainer: TrainerConfig, logger: Logge
     preemption = Preemption(out / "checkpoints" / "last.ckpt")
     preemption.install()
     ranks = RankFailures(out)
-    speed = throughput_callback(skip=min(5, max(trainer.max_steps // 4, 0))
+    # a time-bound run (trainer.max_time) may take few steps: its speed after the first
+    speed = throughput_callback(skip=1 if trainer.max_time else
+                                min(5, max(trainer.max_steps // 4, 0))
                                 if trainer.max_steps > 0 else 5)
     pin_threads()
     L.seed_everything(train.seed, workers=True, verbose=False)
     ckpt = plan.resume.training_checkpoint(out)
     # a checkpoint to resume from holds the weights: draft.init only shapes the module
-    module = build_module(plan, train, trainer.max_steps, draft.options(), load_init=ckpt is None)
+    module = build_module(plan, train, trainer.max_steps, draft.options(), load_init=ckpt is None,
+                          max_seconds=trainer.max_time)
     online = hidden.source is not HiddenSource.offline
     dm = HiddenStateDataModule.from_plan(plan, train, extract, engine if online else None,
                                          hidden if online else None)
@@ -321,10 +363,14 @@ def run(plan: RunPlan, train: TrainConfig, trainer: TrainerConfig, logger: Logge
     throughput = speed.result()
     if throughput:
         summary["throughput"] = throughput
+    summary["cost"] = training_cost(module, dm, train, throughput or {})
     if exp_logger and logger.name is LoggerName.wandb:
         summary["wandb_run_id"] = exp_logger.experiment.id
     artifacts.write_json_atomic(out / "train_summary.json", summary)
     log.info("trained %d steps in %.1fs; val acc_0 %.3f, accept_len %.2f; draft -> %s",
              fitter.global_step, wall, metrics.get("val/acc_0", float("nan")),
              metrics.get("val/accept_len", float("nan")), draft_dir)
+    from eagle3x.draft.cost import cost_line
+
+    log.info("%s", cost_line(summary["cost"]))
     return Outcome("draft", "built", draft_dir)

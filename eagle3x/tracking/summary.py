@@ -2,7 +2,8 @@
 
 Written into the job's folder (the Hydra run dir, or train.output_dir) after the stages:
 the overrides, data size, per-stage wall time, each artifact built or reused, training
-tokens and final per-step accuracies, and the eval acceptance (offline, and live in vLLM
+tokens, the training's cost (FLOPs per token, tokens/s, share of the peak) and final
+per-step accuracies, and the eval acceptance (offline, and live in vLLM
 with `eval.live`). `eagle3x.compare` reads it.
 """
 
@@ -60,6 +61,8 @@ def write(plan: RunPlan, outcomes: Sequence[Outcome], stage_seconds: Dict[str, f
         # eval.benchmarks: one flat row per prompt set (eagle3x.evaluation.report)
         "benchmarks": _benchmark_rows(evaluation),
         "benchmark_device": (evaluation.get("benchmarks") or {}).get("device"),
+        # draft FLOPs per token, tokens/s and the share of the device's peak (stages/train)
+        "train_cost": train.get("cost"),
         "stage_seconds": stage_seconds,
         "artifacts": first_status(outcomes),
         "wandb_run_id": train.get("wandb_run_id"),

@@ -47,7 +47,7 @@ BAD = {"data.holdout_samples": -1, "data.num_samples": 0, "engine.tensor_paralle
        "train.muon_lr": 0.0, "train.min_lr_ratio": 1.5, "train.teacher_topk": 0,
        "draft.num_layers": 0, "draft.sliding_window": 1,
        "trainer.num_nodes": 0, "trainer.max_steps": 0,
-       "trainer.max_epochs": 0, "trainer.accumulate_grad_batches": 0,
+       "trainer.max_epochs": 0, "trainer.max_time": 0.0, "trainer.accumulate_grad_batches": 0,
        "trainer.log_every_n_steps": 0, "eval.depth": 0, "eval.max_samples": 0,
        "eval.prompts": 0, "eval.max_new_tokens": 1, "regenerate.temperature": -1.0,
        "regenerate.top_p": 0.0, "regenerate.max_new_tokens": 0, "regenerate.chunk_size": 0,

@@ -150,3 +150,112 @@ def test_a_frozen_lm_head_gets_no_gradient(tiny_verifier):
     assert not m.draft.lm_head.weight.requires_grad
     names = {id(p) for g in m.configure_optimizers()["optimizer"].param_groups for p in g["params"]}
     assert id(m.draft.lm_head.weight) not in names
+
+
+@pytest.mark.parametrize("warmup", [None, 2])
+def test_a_time_bound_schedule_runs_on_the_time_spent(tiny_verifier, warmup):
+    """trainer.max_time: with a step cap far away the learning rate follows the fraction of
+    the time budget spent (the clock moved back = that much time already trained)."""
+    import dataclasses
+
+    from eagle3x.config.schema import Schedule, TrainConfig
+    from eagle3x.draft.module import DraftModule
+    from eagle3x.stages.train import plain
+
+    shape = dict(hidden_size=128, target_hidden_size=128, intermediate_size=64, num_heads=2,
+                 num_kv_heads=2, head_dim=64, draft_vocab_size=16, target_vocab_size=1024)
+    train = plain(dataclasses.asdict(TrainConfig(lr=1.0, schedule=Schedule.linear,
+                                                 warmup_steps=warmup)))
+    m = DraftModule(shape=shape, train=train, verifier=str(tiny_verifier), tied_head=False,
+                    aux_layer_ids=[1, 3, 4], max_steps=10 ** 6, max_seconds=1000.0)
+    cfg = m.configure_optimizers()
+    sched = cfg["lr_scheduler"]["scheduler"]
+    first = sched.get_last_lr()[0]
+    assert first == pytest.approx(0.01 if warmup is None else 0.5)
+    m.on_train_start()
+    if warmup is None:  # the warmup is the first 1% of the budget (10 s here), not steps
+        for _ in range(3):
+            sched.step()
+        assert sched.get_last_lr()[0] == pytest.approx(0.01, abs=0.01)
+        m._clock -= 5.0  # noqa: SLF001 (half the warmup's time spent)
+        sched.step()
+        assert sched.get_last_lr()[0] == pytest.approx(0.5, abs=0.02)
+        m._clock -= 5.0  # noqa: SLF001
+    for _ in range(3):  # past the warmup, near the start of the budget: near the top
+        sched.step()
+    assert sched.get_last_lr()[0] == pytest.approx(1.0, abs=0.01)
+    m._clock -= 490.0 if warmup is None else 500.0  # noqa: SLF001 (half the budget spent)
+    sched.step()
+    done = 0.5 if warmup is not None else (0.5 - 0.01) / 0.99
+    assert sched.get_last_lr()[0] == pytest.approx(0.1 + 0.9 * (1 - done), abs=0.01)
+    m._clock -= 600.0  # noqa: SLF001 (past the budget: the floor)
+    sched.step()
+    assert sched.get_last_lr()[0] == pytest.approx(0.1)
+
+
+def test_trainer_max_time_stops_a_run_far_from_its_step_cap(tmp_path):
+    import time
+
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from eagle3x.config.schema import TrainerConfig
+    from eagle3x.stages.train import make_trainer
+
+    class Slow(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(4))
+
+        def training_step(self, batch, _i):
+            time.sleep(0.05)
+            return (self.w * batch).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        def train_dataloader(self):
+            return DataLoader(torch.ones(64, 4), batch_size=1)
+
+    t = TrainerConfig(max_steps=10 ** 6, max_time=2.0, enable_progress_bar=False,
+                      accelerator="cpu", devices="1", val_check_interval=10 ** 6)
+    trainer = make_trainer(t, tmp_path, None)
+    t0 = time.perf_counter()
+    trainer.fit(Slow())
+    took = time.perf_counter() - t0
+    assert 10 <= trainer.global_step < 200 and 1.9 <= took < 20
+
+
+def test_the_progress_line_of_a_time_bound_run_counts_down_its_time(tmp_path):
+    import time
+
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from eagle3x.config.schema import TrainerConfig
+    from eagle3x.draft.callbacks import time_left
+    from eagle3x.stages.train import make_trainer
+
+    seen = []
+
+    class Slow(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(4))
+
+        def training_step(self, batch, _i):
+            time.sleep(0.05)
+            seen.append(time_left(self.trainer))
+            return (self.w * batch).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        def train_dataloader(self):
+            return DataLoader(torch.ones(64, 4), batch_size=1)
+
+    t = TrainerConfig(max_steps=10 ** 6, max_time=1.0, enable_progress_bar=False,
+                      accelerator="cpu", devices="1", val_check_interval=10 ** 6)
+    make_trainer(t, tmp_path, None).fit(Slow())
+    assert seen and 0.5 < seen[0] <= 1.0 and seen[-1] < seen[0] and min(seen) >= 0
+    assert time_left(make_trainer(TrainerConfig(max_steps=5), tmp_path, None)) is None

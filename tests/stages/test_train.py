@@ -518,3 +518,44 @@ def test_the_draft_memory_bound_is_what_its_parameters_and_adamw_hold(freeze, pr
     held = sum(4 * p.numel() * p.element_size() for p in trained)  # + grad, exp_avg, exp_avg_sq
     held += sum(p.numel() * p.element_size() for p in frozen)
     assert draft_training_bytes(shape, freeze, precision) == held
+
+
+def test_a_time_budget_stops_training_and_the_summary_states_its_cost(tmp_path_factory,
+                                                                      tiny_verifier, cache_dir):
+    """trainer.max_time stops a run far from its step cap (the draft still exported), and
+    train_summary.json's cost holds the FLOPs per token of this shape and these TTT steps
+    (eagle3x.draft.cost, checked against FlopCounterMode in tests/draft/test_cost.py), the
+    loop's tokens/s and the share of the measured CPU matmul rate; the log prints it."""
+    from eagle3x.draft.cost import causal_context, flops_per_token
+
+    run = TrainedRun(tmp_path_factory.mktemp("timed"), cache_dir, "stage=train", "engine=hf",
+                     "logger=none", "trainer.max_steps=100000", "trainer.max_time=30",
+                     "trainer.val_check_interval=100000", "train.ttt_steps=3")
+    assert run.result.returncode == 0, run.result.stderr[-3000:]
+    summary = json.loads((run.run / "train_summary.json").read_text())
+    # (a loaded 2-core machine made 4 steps in 20 s; the speed is measured after the first)
+    assert 2 <= summary["steps"] < 100000 and (run.run / "draft" / "config.json").exists()
+    assert summary["throughput"]["after_step"] == 1
+    assert summary["train_seconds"] < 30 + 60  # the step under way finishes, then the export
+    cost = summary["cost"]
+    settings, plan = plan_for(["stage=train", "train.ttt_steps=3",
+                               f"paths.artifacts={run.root / 'artifacts'}"])
+    from eagle3x.stages.train import build_module
+
+    shape = dict(build_module(plan, settings.train, 1, settings.draft.options()).hparams.shape)
+    assert cost["ttt_steps"] == 3
+    fraction = cost["head_fraction"]
+    assert 0 < fraction < 1  # the loss masks leave prompts out
+    from eagle3x.data.shards import ShardReader
+
+    reader = ShardReader(plan.hidden.folder)
+    hold, end = plan.split.bounds(len(reader))
+    context = causal_context([reader.length(i) for i in range(hold, end)])
+    assert cost["context"] == pytest.approx(context, abs=0.01)
+    assert cost["flops_per_token"] == pytest.approx(
+        flops_per_token(shape, 3, context, fraction)["train"], rel=1e-6)
+    assert cost["achieved_flops"] == pytest.approx(cost["tokens_per_second"]
+                                                   * cost["flops_per_token"])
+    assert 0 < cost["fraction_of_peak"] < 2 and "measured float32 matmul rate" in cost["peak"]
+    assert "GFLOP/token" in run.result.stdout + run.result.stderr
+    assert json.loads((run.run / "summary.json").read_text())["train_cost"] == cost
