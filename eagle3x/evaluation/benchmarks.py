@@ -160,7 +160,7 @@ def columns(spec: PromptSet) -> Tuple[Optional[List[str]], str]:
             return (_features(infos[0]), str(infos[0])) if infos else (None, str(p))
         record, where = _first_jsonl_record(p)
         return (None if record is None else list(record), where)
-    from eagle3x.plan import hub_cached
+    from eagle3x.hub import hub_cached
 
     cached = hub_cached(spec.hub, spec.config, spec.split)
     if cached is None:
@@ -206,7 +206,7 @@ def problems(entries: Sequence[str], sets: Mapping[str, Any]) -> List[Tuple[str,
             out.append((entry, f"{spec.path} does not exist", None))
             continue
         if spec.hub is not None and spec.path is None:
-            from eagle3x.plan import hub_source
+            from eagle3x.hub import hub_source
 
             ref = hub_source(spec.hub, spec.config, spec.split)
             if ref.problem:
@@ -252,7 +252,7 @@ def _records(spec: PromptSet, limit: int) -> Iterator[Tuple[str, dict]]:
     if spec.path is not None:
         source = conv.Source(path=spec.path)
     else:
-        from eagle3x.plan import hub_source
+        from eagle3x.hub import hub_source
 
         ref = hub_source(spec.hub, spec.config, spec.split)
         source = conv.Source(name=spec.hub, config=spec.config, split=spec.split,

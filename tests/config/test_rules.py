@@ -54,7 +54,9 @@ BAD = {"data.holdout_samples": -1, "data.num_samples": 0, "engine.tensor_paralle
        "regenerate.batch_size": 0,
        "logger.mode": "sometimes", "hidden.prefetch": 0, "serve.port": 70000,
        "data.name": "not a hub name", "data.num_proc": 0, "data.chunk_size": 0,
-       "engine.rpc_timeout": 0, "train.keep_checkpoints": -1, "train.progress_seconds": 0.0}
+       "engine.rpc_timeout": 0, "train.keep_checkpoints": -1, "train.progress_seconds": 0.0,
+       "draft.init": " ", "eval.concurrency": [1, 0], "eval.max_prompts": 0,
+       "eval.temperatures": [0.0, 2.5], "export.format": ["vllm", "vllm"]}
 
 
 def test_every_rule_has_a_refused_example():

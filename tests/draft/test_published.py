@@ -277,6 +277,7 @@ def test_speculators_loads_the_speculators_export_with_its_own_from_pretrained(t
     assert model.config.norm_before_residual and model.config.norm_output
 
 
+@pytest.mark.slow
 def test_a_draft_init_refusal_imports_no_heavy_library(cli, store, tiny_verifier, tmp_path):
     """The checks read config.json, safetensors headers and a few embedding rows (numpy):
     the refusal comes before torch, vLLM, Lightning or transformers are imported."""

@@ -7,6 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+#: Every test here starts an engine or a process (tests/conftest.py's quick-loop guard).
+pytestmark = pytest.mark.slow
+
 PROMPTS = ["What is 12 plus 30?", "Hi", "Spell garden backwards, then tell me why gardens grow.",
            "Is 7 prime?", "Name a colour.", "How many metres are in 3 km? Think it through."]
 LIMITS = [40, 5, 40, 6, 40, 12]

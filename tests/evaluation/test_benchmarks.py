@@ -112,6 +112,7 @@ def test_unservable_sets_are_refused_at_startup_naming_the_key(cli, tmp_path, hu
     assert cli.refusal([*args, f"eval.benchmarks=[held_out,{good}]"], None) is None
 
 
+@pytest.mark.slow
 def test_the_refusal_imports_nothing_heavy(tmp_path):
     import subprocess
     import sys
@@ -187,6 +188,7 @@ def _bench() -> dict:
         for name, length, speedup in [("gsm8k", 2.5, 1.3), ("mt_bench", 1.9, 0.8)]}}
 
 
+@pytest.mark.slow
 def test_the_sets_go_to_wandb_as_a_table_a_bar_plot_and_summary_keys(tmp_path):
     """A real offline W&B run: the table and plot are logged, each set's figures are
     summary keys `eval/<set>/<column>` (read back from the run's log)."""

@@ -20,6 +20,9 @@ from safetensors.torch import load_file
 from tests.helpers import environment, plan_for
 from tests.stages.test_train import TrainedRun, _assert_same_training
 
+#: Every test here starts an engine or a process (tests/conftest.py's quick-loop guard).
+pytestmark = pytest.mark.slow
+
 BASE = ["stage=train", "engine=hf", "logger=none", "trainer.max_steps=8", "train.ttt_steps=2",
         "draft=sglang",
         "vocab.draft_vocab_size=256", "export.format=[vllm,speculators]"]

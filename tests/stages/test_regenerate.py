@@ -146,6 +146,7 @@ ENGINES = {"hf": ["engine=hf", "regenerate.batch_size=2"],
                     "engine.gpu_memory_utilization=0.3"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
 def test_sigterm_mid_chunk_stops_soon_keeping_each_finished_conversation(cli, store, tmp_path,
                                                                          engine):

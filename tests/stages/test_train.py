@@ -520,6 +520,7 @@ def test_the_draft_memory_bound_is_what_its_parameters_and_adamw_hold(freeze, pr
     assert draft_training_bytes(shape, freeze, precision) == held
 
 
+@pytest.mark.slow
 def test_a_time_budget_stops_training_and_the_summary_states_its_cost(tmp_path_factory,
                                                                       tiny_verifier, cache_dir):
     """trainer.max_time stops a run far from its step cap (the draft still exported), and
