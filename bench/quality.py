@@ -581,7 +581,8 @@ def child_peer_live(job: Dict[str, Any]) -> None:
     from eagle3x.config.schema import EngineName
     from eagle3x.evaluation.live import ServedDraft, served_counts
     from eagle3x.engines.base import open_engine, vllm_options
-    from eagle3x.evaluation.offline import extract_all, held_out_prompts
+    from eagle3x.evaluation.live import extract_all
+    from eagle3x.evaluation.offline import held_out_prompts
 
     settings = typed(load_config(["stage=train", *job["overrides"]]))
     plan = _plan(job["overrides"])

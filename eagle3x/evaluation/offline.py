@@ -106,13 +106,6 @@ def held_out(plan: RunPlan, count: int) -> List[List[int]]:
     return prompts
 
 
-def extract_all(eng: Any, seqs: Sequence[Sequence[int]], batch_size: int) -> List[Any]:
-    """(aux, last) hidden states of each sequence (evaluation.live.extract_all)."""
-    from eagle3x.evaluation import live
-
-    return live.extract_all(eng, seqs, batch_size)
-
-
 def _hf_greedy(eng: Any, head: Any, prompts: Sequence[Sequence[int]], length: int,
                batch: int = 16) -> List[List[int]]:
     """`length` greedy tokens after each prompt from a transformers engine's base model and
@@ -142,6 +135,7 @@ def greedy_paths(plan: RunPlan, engine: EngineConfig, extract: ExtractConfig,
     stop token) and the hidden states along prompt + continuation, both made by `engine`:
     transformers (one load does both), or plain vLLM (no draft) and then the vLLM extractor."""
     from eagle3x.engines.base import open_engine, vllm_options
+    from eagle3x.evaluation.live import extract_all
 
     longest = max(map(len, prompts)) + length + 1
     if engine.name is EngineName.hf:
