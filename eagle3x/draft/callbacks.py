@@ -145,12 +145,12 @@ class Preemption(L.Callback):
             # A gloo group of its own: the flag is a CPU tensor, so neither its all-reduce
             # nor reading it touches the accelerator's stream (NCCL would sync the host).
             self._group = dist.new_group(backend="gloo")
-        if self._agreed_now(trainer):  # asked to stop before the first step: nothing to save
+        if self._agreed_now():  # asked to stop before the first step: nothing to save
             raise Stopped(f"stopped by {signal_name(self.signal or signal.SIGTERM)} before "
                           f"training step {trainer.global_step + 1}",
                           signal_exit(self.signal or signal.SIGTERM))
 
-    def _agreed_now(self, trainer: Any) -> bool:
+    def _agreed_now(self) -> bool:
         """Whether any rank was asked to stop, waiting for the answer (once, before the
         first step)."""
         mine = self.signal is not None
@@ -163,7 +163,7 @@ class Preemption(L.Callback):
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         return bool(flag.item())
 
-    def _agreed(self, trainer: Any) -> bool:
+    def _agreed(self) -> bool:
         """Whether any rank had been asked to stop by the previous step's end. Each rank
         starts one all-reduce of its flag per step (the same sequence on every rank) and
         reads the one it started a step ago, which has long finished: every rank reads
@@ -196,7 +196,7 @@ class Preemption(L.Callback):
         # only where a step ended (what a step checkpoint holds).
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
-        if not self._agreed(trainer):
+        if not self._agreed():
             return
         signum = self.signal or signal.SIGTERM  # another rank's signal
         self._settle()

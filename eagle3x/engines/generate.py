@@ -292,12 +292,9 @@ class VLLMGenerator(_Queued):
         self.queued.clear()
 
     def close(self) -> None:
-        from eagle3x.engines.base import shutdown_llm
+        from eagle3x.engines.options import shutdown_llm
 
-        try:
-            shutdown_llm(getattr(self, "llm", None))
-        except Exception:  # a dead engine: its processes are gone or going
-            pass
+        shutdown_llm(getattr(self, "llm", None))
         self.llm = None
 
 

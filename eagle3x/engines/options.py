@@ -30,11 +30,15 @@ def set_rpc_timeout(settings: Dict[str, Any]) -> Optional[int]:
 
 def shutdown_llm(llm: object) -> None:
     """Stop a vllm.LLM's engine processes now (not at garbage collection), freeing their
-    memory before the next engine starts; a no-op for None."""
+    memory before the next engine starts; a no-op for None. An engine that already died
+    has nothing left to stop: what its shutdown raises then is dropped."""
     engine = getattr(llm, "llm_engine", None)
     shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
     if callable(shutdown):
-        shutdown()
+        try:
+            shutdown()
+        except Exception:  # a dead engine: its processes are gone or going
+            pass
 
 
 def vllm_options(settings: "EngineConfig", verifier: "VerifierRef") -> Dict[str, Any]:

@@ -192,9 +192,6 @@ class VLLMEngine:
 
         llm = getattr(self, "llm", None)
         if llm is not None:
-            try:
-                shutdown_llm(llm)
-            except Exception:  # a dead engine: its processes are gone or going
-                pass
+            shutdown_llm(llm)
             del self.llm
         shutil.rmtree(self.scratch, ignore_errors=True)
