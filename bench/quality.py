@@ -5,9 +5,9 @@ the peer's own, at equal budget: equal steps, or equal training time (--budget-s
                                                    # eagle3x's defaults, k=3 and 5, seed 0
     python bench/quality.py --data regenerated,original --seeds 0,1 --peer
     python bench/quality.py --budget-seconds 150 --data original,regenerated --seeds 0,1 --peer \
-        --variant spec:train.ttt_steps=3,train.step_weight=1.0,train.freeze_lm_head=true
+        --variant old7:train.ttt_steps=7,train.step_weight=0.8,train.freeze_lm_head=false
     python bench/quality.py --data code=/data/code.jsonl@regenerated --budget-seconds 600 --peer
-    python bench/quality.py --variant ttt3:train.ttt_steps=3 --variant lr:train.lr=3e-4,train.warmup_steps=10
+    python bench/quality.py --variant ttt5:train.ttt_steps=5 --variant lr:train.lr=3e-4,train.warmup_steps=10
     python bench/quality.py --verifier tiny --data original   # the embedded default, same measurement
 
 The verifier (`--verifier smollm2`, default) is SmolLM2-135M-Instruct built once into the

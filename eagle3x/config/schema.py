@@ -548,10 +548,13 @@ class TrainConfig:
     """The draft's training: the training-time test, the recipe, batches, checkpoints."""
 
     ttt_steps: int = at_least(
-        1, 7, doc="Training-time-test steps: draft steps unrolled per position, step k "
-        "reading the draft's own step k-1 output.")
-    step_weight: float = checked(0.8, lambda v: 0 < v <= 1, "must be in (0, 1]",
-                                 doc="Step k's loss is weighted step_weight ** k.")
+        1, 3, doc="Training-time-test steps: draft steps unrolled per position, step k "
+        "reading the draft's own step k-1 output. 3 (speculators' default): at equal "
+        "training time 3 steps beat 7 (bench/RESULTS.md, issue 36); the draft still serves "
+        "deeper (eval.depth 5).")
+    step_weight: float = checked(1.0, lambda v: 0 < v <= 1, "must be in (0, 1]",
+                                 doc="Step k's loss is weighted step_weight ** k (1.0: "
+                                 "every step alike).")
     lr: float = checked(1e-3, lambda v: v > 0, "must be positive",
                         doc="Peak learning rate (AdamW's; Muon's too unless muon_lr is set).")
     warmup_steps: Optional[int] = at_least(
@@ -580,8 +583,8 @@ class TrainConfig:
         doc="Train towards the verifier's k most likely draft-vocabulary tokens only, "
         "renormalised (null: its whole distribution over the draft vocabulary).")
     freeze_lm_head: bool = documented(
-        False, "Keep the lm_head at the verifier's rows (speculators' default) instead of "
-        "training it.")
+        True, "Keep the lm_head at the verifier's rows (speculators' default: cheaper "
+        "steps, no loss of acceptance measured) instead of training it.")
     batch_size: int = at_least(1, 4, doc="Samples per micro-batch and process.")
     max_tokens: Optional[int] = at_least(
         64, None, "must be at least 64, or null (batch_size samples)",
