@@ -21,7 +21,8 @@ bench, 16 prompts each; no download. `--max-prompts` per set.
 Per draft and k: acceptance (vLLM's counters) per set and temperature, and whether greedy
 output with the draft equals greedy output without it. `--speed NAME`: that draft's eval at
 the first k also measures the speed at each `--concurrency` (held_out only: EOS ignored,
-`--max-new-tokens` each, closed loop), with and without the draft, same engine settings.
+`--max-new-tokens` each, closed loop), with and without the draft, same engine settings;
+`--speed-only` skips the acceptance runs (a second call after the first).
 Prints two markdown tables; records to --out/results.json; each eval.json stays in its
 folder.
 """
@@ -57,6 +58,8 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     a("--speed", action="append", default=[], help="NAME of a draft whose speed is measured")
     a("--concurrency", default="1,4,16")
     a("--max-new-tokens", type=int, default=64)
+    a("--speed-only", action="store_true",
+      help="only the speed runs of the --speed drafts (their acceptance measured before)")
     a("--out", default=None, help="default $EAGLE3X_CACHE/quality/runs/eval_sets")
     args, rest = p.parse_known_args(argv)
     args.rest = rest  # passed on to bench/quality.py (--threads, --set, --store)
@@ -105,14 +108,17 @@ def main() -> None:
                     f"eval.temperatures=[{args.temperatures}]", "eval.concurrency=[]"]
             rec: Dict[str, Any] = {"draft": name, "folder": str(draft), "k": k,
                                    "command": "python -m eagle3x " + " ".join(argv)}
-            quality.log(f"{name}: eval k={k} (acceptance per set and temperature)")
-            rc, wall = quality.eagle3x(argv, run.parent / f"k{k}.log", q)
-            rec["wall_seconds"] = wall
-            if rc != 0:
-                rec["error"] = quality.tail(run.parent / f"k{k}.log")
-                quality.log(f"{name}: eval k={k} failed: {rec['error']}")
-            else:
-                rec["benchmarks"] = quality.read_json(run / "eval.json").get("benchmarks")
+            if args.speed_only and not speed:
+                continue
+            if not args.speed_only:
+                quality.log(f"{name}: eval k={k} (acceptance per set and temperature)")
+                rc, wall = quality.eagle3x(argv, run.parent / f"k{k}.log", q)
+                rec["wall_seconds"] = wall
+                if rc != 0:
+                    rec["error"] = quality.tail(run.parent / f"k{k}.log")
+                    quality.log(f"{name}: eval k={k} failed: {rec['error']}")
+                else:
+                    rec["benchmarks"] = quality.read_json(run / "eval.json").get("benchmarks")
             if speed:
                 srun = out / name / f"k{k}-speed"
                 sargv = [a for a in argv if not a.startswith(("eval.benchmarks", "eval.sets",

