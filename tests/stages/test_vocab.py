@@ -9,7 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from eagle3x.stages.vocab import auto_size, build_mapping, chosen_size, mostly_unseen
+from eagle3x.stages.vocab import (KEPT_SHORTFALL, auto_size, build_mapping, chosen_size,
+                                  kept_vocab_warning, mostly_unseen)
 from tests.helpers import messages_record, stage_output, write_jsonl
 
 
@@ -49,6 +50,18 @@ def test_auto_size_is_capped_and_never_zero():
 def test_mostly_unseen_is_more_than_half_never_trained():
     assert mostly_unseen(32000, 291) and mostly_unseen(1000, 499)
     assert not mostly_unseen(1000, 500) and not mostly_unseen(256, 300)
+
+
+@pytest.mark.parametrize("coverage", [0.65, 0.93, 0.95, 0.99])
+def test_a_kept_init_vocabulary_short_of_auto_coverage_is_warned_about(coverage):
+    """draft.init's vocabulary kept: a warning naming vocab.remap=true once it covers more
+    than KEPT_SHORTFALL less of the trained tokens than auto would; none otherwise."""
+    warn = kept_vocab_warning(287, coverage, 1359, 0.999)
+    if coverage < 0.999 - KEPT_SHORTFALL:
+        assert warn and "vocab.remap=true" in warn and "287 tokens" in warn
+        assert f"{100 * coverage:.1f}%" in warn and "1359" in warn
+    else:
+        assert warn is None
 
 
 @pytest.mark.slow
