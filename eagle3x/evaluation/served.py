@@ -75,15 +75,9 @@ def sampling_fault() -> Optional[str]:
     try:
         from eagle3x.engines import vllm_cpu_fix as fix
 
-        module = fix._applies()
+        why = fix.fault()
     except Exception:  # another vLLM layout: nothing known against it
         return None
-    if module is None:
-        return None
-    from vllm.platforms import current_platform
-
-    current_platform.import_kernels()  # the C ops the CPU platform loads
-    why = fix.broken(module._expand_kernel_impl)
     if why is None:
         return None
     from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_plugins_by_group

@@ -77,8 +77,7 @@ from vllm.platforms import current_platform
 from vllm.utils import cpu_triton_utils
 from eagle3x.engines import vllm_cpu_fix
 own = cpu_triton_utils._expand_kernel_impl
-current_platform.import_kernels()
-own_broken = vllm_cpu_fix._applies() is not None and vllm_cpu_fix.broken(own) is not None
+own_broken = vllm_cpu_fix.fault() is not None
 load_general_plugins()
 current_platform.register_triton_kernel_overrides()
 from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
