@@ -65,6 +65,13 @@ def _turns(messages: List[dict], which: Turns) -> List[int]:
     return idx[-1:] if which is Turns.last else idx
 
 
+def reply_count(conv: Any, which: Turns) -> int:
+    """The replies regeneration makes for one conversation (the progress display counts
+    these: a multi-turn conversation finishes only after its last turn, so counted by
+    conversations the early rate, and the ETA, would be far off)."""
+    return len(_turns(conv.messages, which))
+
+
 def split_reasoning(text: str) -> Dict[str, str]:
     """A generated reply as a message: text before ``</think>`` (an opening ``<think>``
     dropped) as ``reasoning_content``, the rest as ``content``."""
@@ -132,12 +139,15 @@ class _Conversation:
 def regenerate_conversations(generator: Any, tokenizer: Any, convs: Sequence[Tuple[int, Any]],
                              settings: RegenerateConfig, template_kwargs: Dict[str, Any],
                              context: int, finished: Callable[[Dict[str, Any]], None],
-                             on_step: Optional[Callable[[int], bool]] = None) -> bool:
+                             on_step: Optional[Callable[[int], bool]] = None,
+                             replied: Optional[Callable[[int], None]] = None) -> bool:
     """Regenerate `convs` ((index in the input, conversation) pairs), calling
     `finished(entry)` for each as it ends (`_Conversation.entry`). `on_step(tokens)` is
     the generator's (`eagle3x.engines.generate`): False stops the work within one decode
-    step. Returns True when every conversation finished, False when stopped (the
-    unfinished ones abandoned and the generator's queue emptied)."""
+    step. `replied(n)` counts replies off `reply_count`'s total: 1 per reply made, and a
+    conversation dropped early (too long, an empty reply) its turns left, so the count of
+    a finished run is that total. Returns True when every conversation finished, False
+    when stopped (the unfinished ones abandoned and the generator's queue emptied)."""
     from eagle3x.engines.generate import Sampling
 
     sampling = Sampling(settings.temperature, settings.top_p, settings.max_new_tokens,
@@ -147,6 +157,8 @@ def regenerate_conversations(generator: Any, tokenizer: Any, convs: Sequence[Tup
     def advance(c: _Conversation) -> Optional[Any]:
         r = c.request(tokenizer, settings, template_kwargs, context)
         if r is None:
+            if replied is not None and len(c.turns) > c.counts["replies"]:
+                replied(len(c.turns) - c.counts["replies"])  # the turns it will not reach
             finished(c.entry(settings.on_length))
         else:
             open_[c.index] = c
@@ -166,6 +178,8 @@ def regenerate_conversations(generator: Any, tokenizer: Any, convs: Sequence[Tup
         for key, reply in generator.step(step_hook):
             c = open_.pop(key)
             c.take(reply, tokenizer)
+            if replied is not None:
+                replied(1)
             r = advance(c)
             if r is not None:
                 nxt.append(r)
@@ -302,7 +316,12 @@ def regenerate(plan: RunPlan, settings: RegenerateConfig,
         finished = (sum(min(size, len(convs) - c * size) for c in done)
                     + sum(len(p) for p in parts.values()))
         generator = None
-        bar = console.progress(len(convs), "regenerate", "conversations", initial=finished)
+        replies = [reply_count(conv, settings.turns) for conv in convs]
+        already = (sum(sum(replies[c * size:(c + 1) * size]) for c in done)
+                   + sum(replies[i] for p in parts.values() for i in p))
+        bar = console.progress(sum(replies), "regenerate", "replies", initial=already)
+        shown = {"conversations": f"{finished}/{len(convs)}"}  # tqdm's set_postfix replaces
+        bar.set_postfix(**shown)
         t0, new_tokens, made = time.perf_counter(), 0, 0
         try:
             stop = stack.enter_context(stop_requests(
@@ -311,7 +330,8 @@ def regenerate(plan: RunPlan, settings: RegenerateConfig,
             def on_step(tokens: int) -> bool:
                 nonlocal made
                 made += tokens
-                bar.set_postfix(tok_s=int(made / max(time.perf_counter() - t0, 1e-9)))
+                shown["tok_s"] = int(made / max(time.perf_counter() - t0, 1e-9))
+                bar.set_postfix(**shown)
                 bar.update(0)  # a line every 30 s off a terminal, finished or not
                 return stop["signal"] is None
 
@@ -343,7 +363,8 @@ def regenerate(plan: RunPlan, settings: RegenerateConfig,
                     entries.append(entry)
                     finished += 1
                     new_tokens += entry["new_tokens"]
-                    bar.update(1)
+                    shown["conversations"] = f"{finished}/{len(convs)}"
+                    bar.set_postfix(**shown)
 
                 def synced(tokens: int) -> bool:
                     part.sync()  # what finished in the last step is on disk
@@ -352,7 +373,7 @@ def regenerate(plan: RunPlan, settings: RegenerateConfig,
                 try:
                     complete = regenerate_conversations(
                         generator, tok, todo, settings, dict(plan.original.template_kwargs),
-                        context, conversation_done, synced)
+                        context, conversation_done, synced, bar.update)
                 except Exception as e:
                     part.close()
                     if stop["signal"] is not None:  # the engine died of the same signal

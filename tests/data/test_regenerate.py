@@ -93,6 +93,28 @@ def test_a_reply_at_the_token_limit_is_marked_and_can_be_dropped(tiny_verifier):
     assert dropped == [] and counts["dropped"]["hit_length"] == 2
 
 
+@pytest.mark.slow
+def test_progress_counts_replies_up_to_the_total_even_for_dropped_conversations(tiny_verifier):
+    """The progress display counts replies (a multi-turn conversation finishes only after
+    its last one): one per reply made, and a conversation dropped early its turns left,
+    so a finished run ends on `reply_count`'s total."""
+    from eagle3x.data.regenerate import regenerate_conversations, reply_count
+    from eagle3x.engines.generate import HFGenerator, stop_ids
+    from eagle3x.verifier import load_tokenizer
+
+    tok = load_tokenizer(tiny_verifier)
+    gen = HFGenerator(tiny_verifier, "float32", "cpu", False, stop_ids(tiny_verifier, tok))
+    total = sum(reply_count(c, Turns.all) for c in CONVS)
+    assert total == 3 and reply_count(CONVS[0], Turns.last) == 1
+    todo = list(enumerate(CONVS))
+    for context, made in ((2048, 3), (8, 0)):  # 8 tokens: every prompt is too long
+        calls, entries = [], []
+        assert regenerate_conversations(gen, tok, todo, RegenerateConfig(max_new_tokens=4), {},
+                                        context, entries.append, replied=calls.append)
+        assert sum(calls) == total and sum(e["replies"] for e in entries) == made
+        assert calls.count(1) >= made  # one call per reply made
+
+
 def test_a_part_file_keeps_whole_lines_only(tmp_path):
     """A kill while a line is written leaves it cut short: it is ignored when read, and cut
     off before the next run appends, so the file stays one whole entry a line."""
