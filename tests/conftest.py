@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import Cli
+from tests.helpers import FAST, Cli, TrainedRun
 
 # vLLM's CPU build sizes its KV cache from engine.gpu_memory_utilization: GiBs to allocate and
 # a warm-up pass at every engine start (20-100 s here). The tests' tiny verifiers need
@@ -116,3 +116,12 @@ def cli(store) -> Cli:
 def real_cli(store) -> Cli:
     """`python -m eagle3x ...` always in a real subprocess."""
     return Cli(store.parent, real=True)
+
+
+@pytest.fixture(scope="session")
+def fast_run(tmp_path_factory, tiny_verifier, cache_dir) -> TrainedRun:
+    """`stage=train` for 40 steps (FAST: aux layers [0, 3, 5]), checkpoints every 4 (all ten
+    kept), trained once for the session: tests/stages/test_train.py reads and resumes it,
+    tests/evaluation/test_served.py serves a copy."""
+    return TrainedRun(tmp_path_factory.mktemp("fast"), cache_dir, "stage=train", "engine=hf",
+                      "logger=none", "train.keep_checkpoints=10", *FAST)

@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
-from tests.helpers import write_jsonl
-from tests.stages.test_train import FAST, TrainedRun
+from tests.helpers import FAST, write_jsonl
 
 TWO_TURNS = [{"prompt": ["Write a short note about the sea.", "Now make it shorter."]},
              {"prompt": ["List three colours.", "Which one is warmest?"]}]
@@ -16,22 +16,24 @@ NEW_TOKENS, PROMPTS = 12, 3
 
 
 @pytest.fixture(scope="module")
-def bench_eval(tmp_path_factory, tiny_verifier, cache_dir):
-    """A 40-step draft, then eval.benchmarks=[held_out, a two-turn set] at temperatures 0
-    and 0.8 and concurrency 1 and 3: (the eval command's result, its eval.json)."""
+def bench_eval(tmp_path_factory, fast_run):
+    """The session's 40-step draft (a copy of its run folder), then
+    eval.benchmarks=[held_out, a two-turn set] at temperatures 0 and 0.8 and concurrency 1
+    and 3: (the eval command's result, its eval.json)."""
     pytest.importorskip("vllm")
-    run = TrainedRun(tmp_path_factory.mktemp("bench"), cache_dir, "stage=train", "engine=hf",
-                     "logger=none", *FAST)
-    assert run.result.returncode == 0, run.result.stderr[-3000:]
-    turns = write_jsonl(run.root / "turns.jsonl", TWO_TURNS)
-    r = run.cli("stage=eval", "engine=hf", "logger=none", "engine.dtype=float32",
-                "engine.enforce_eager=true", *FAST,  # no torch.compile at either start
-                f"train.output_dir={run.run}", "eval.benchmarks=[held_out,two]",
-                f"eval.sets={{two:{{path:{turns},build:turns}}}}",
-                f"eval.max_prompts={PROMPTS}", f"eval.max_new_tokens={NEW_TOKENS}",
-                "eval.temperatures=[0,0.8]", "eval.concurrency=[1,3]")
+    assert fast_run.result.returncode == 0, fast_run.result.stderr[-3000:]
+    root = tmp_path_factory.mktemp("bench")
+    run = root / "run"
+    shutil.copytree(fast_run.run, run)
+    turns = write_jsonl(root / "turns.jsonl", TWO_TURNS)
+    r = fast_run.cli("stage=eval", "engine=hf", "logger=none", "engine.dtype=float32",
+                     "engine.enforce_eager=true", *FAST,  # no torch.compile at either start
+                     f"train.output_dir={run}", "eval.benchmarks=[held_out,two]",
+                     f"eval.sets={{two:{{path:{turns},build:turns}}}}",
+                     f"eval.max_prompts={PROMPTS}", f"eval.max_new_tokens={NEW_TOKENS}",
+                     "eval.temperatures=[0,0.8]", "eval.concurrency=[1,3]")
     assert r.returncode == 0, r.stderr[-4000:]
-    return r, json.loads((run.run / "eval.json").read_text())
+    return r, json.loads((run / "eval.json").read_text())
 
 
 @pytest.mark.vllm

@@ -114,3 +114,21 @@ def prepared_store(root: Path, cache_dir: Path) -> Path:
         outcome = prepared.build(plan)
     assert outcome.status == "built"
     return outcome.path
+
+
+# Non-default aux layers (the default is [1, 3, 4]), so serving tests see them honoured.
+FAST = ["trainer.max_steps=40", "train.ttt_steps=3", "eval.depth=3", "extract.aux_layer_ids=[0,3,5]"]
+
+
+class TrainedRun:
+    """A run trained once for a module (or the session), in its own artifact store and
+    folder: `python -m eagle3x *args train.output_dir=<root>/run`."""
+
+    def __init__(self, root: Path, cache_dir: Path, *args: str):
+        self.root, self.run = root, root / "run"
+        self.env = {"EAGLE3X_ARTIFACTS": str(root / "artifacts"), "EAGLE3X_CACHE": str(cache_dir),
+                    "WANDB_MODE": "offline"}
+        self.result = self.cli(*args, f"train.output_dir={self.run}")
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess:
+        return Cli(self.root)(*args, env=self.env)

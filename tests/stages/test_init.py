@@ -18,7 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers import environment, plan_for
-from tests.stages.test_train import TrainedRun, _assert_same_training
+from tests.helpers import TrainedRun
+from tests.stages.test_train import _assert_same_training
 
 #: Every test here starts an engine or a process (tests/conftest.py's quick-loop guard).
 pytestmark = pytest.mark.slow

@@ -16,23 +16,8 @@ from typing import Optional
 import pytest
 import torch
 
-from tests.helpers import Cli, environment, plan_for, stage_output
+from tests.helpers import FAST, Cli, TrainedRun, environment, plan_for, stage_output
 
-# Non-default aux layers (the default is [1, 3, 4]), so serving tests see them honoured.
-FAST = ["trainer.max_steps=40", "train.ttt_steps=3", "eval.depth=3", "extract.aux_layer_ids=[0,3,5]"]
-
-
-class TrainedRun:
-    """A run trained once for this module, in its own artifact store and folder."""
-
-    def __init__(self, root: Path, cache_dir: Path, *args: str):
-        self.root, self.run = root, root / "run"
-        self.env = {"EAGLE3X_ARTIFACTS": str(root / "artifacts"), "EAGLE3X_CACHE": str(cache_dir),
-                    "WANDB_MODE": "offline"}
-        self.result = self.cli(*args, f"train.output_dir={self.run}")
-
-    def cli(self, *args: str) -> subprocess.CompletedProcess:
-        return Cli(self.root)(*args, env=self.env)
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +25,6 @@ def full_run(tmp_path_factory, tiny_verifier, cache_dir) -> TrainedRun:
     """`stage=all` on the tiny default (150 steps), logged to an offline W&B run."""
     return TrainedRun(tmp_path_factory.mktemp("full"), cache_dir, "stage=all", "engine=hf",
                       "logger=wandb")
-
-
-@pytest.fixture(scope="module")
-def fast_run(tmp_path_factory, tiny_verifier, cache_dir) -> TrainedRun:
-    """`stage=train` for 40 steps, checkpoints every 4 (all ten kept)."""
-    return TrainedRun(tmp_path_factory.mktemp("fast"), cache_dir, "stage=train", "engine=hf",
-                      "logger=none", "train.keep_checkpoints=10", *FAST)
 
 
 #: A 40-step run as the kill and preemption tests run it (checkpoints every 4 steps).
