@@ -67,21 +67,6 @@ def test_killed_regeneration_resumes_without_redoing_a_finished_chunk(cli, store
     assert stats["conversations"] == 6 and stats["replies"] == 12
 
 
-@pytest.mark.vllm
-def test_vllm_and_transformers_write_the_same_greedy_replies(cli, store, tmp_path):
-    pytest.importorskip("vllm")
-    data = small_data(tmp_path)
-    hf = cli(*args(data, tmp_path / "hf", "engine.dtype=float32"))
-    vl = cli(*args(data, tmp_path / "vllm", "engine.dtype=float32", "engine.enforce_eager=true",
-                   "engine.gpu_memory_utilization=0.3", engine="vllm"))
-    assert hf.returncode == 0 and vl.returncode == 0, vl.stderr[-3000:]
-    rows = [[json.loads(x) for x in (tmp_path / d / "conversations.jsonl").read_text().splitlines()]
-            for d in ("hf", "vllm")]
-    assert rows[0] == rows[1]
-    assert any(m["content"] != "I do not know." for r in rows[0] for m in r["messages"])
-    assert json.loads((tmp_path / "vllm" / "manifest.json").read_text())["stats"]["tokens_per_second"] > 0
-
-
 THINKING = ("{{ bos_token }}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
             "{% if m['role'] == 'assistant' and enable_thinking is defined and not enable_thinking %}"
             "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{{ m['content'] + '<|im_end|>\\n' }}"
@@ -159,7 +144,8 @@ def test_sigterm_mid_chunk_stops_soon_keeping_each_finished_conversation(cli, st
     data = varied_data(tmp_path)
     common = ["stage=regenerate", *ENGINES[engine], f"data.path={data}", "data=jsonl",
               "engine.dtype=float32", "regenerate.max_new_tokens=96"]
-    # the reference: transformers, uninterrupted (vLLM's greedy replies are the same: above)
+    # the reference: transformers, uninterrupted; with engine=vllm the comparison below is
+    # also the check that vLLM writes transformers' greedy replies (float32)
     reference = [a for a in common if a not in ENGINES[engine] and not a.startswith("engine")]
     reference += ENGINES["hf"]
     whole = cli(*reference, "engine.dtype=float32", f"regenerate.output_dir={tmp_path / 'whole'}")
@@ -208,3 +194,4 @@ def test_sigterm_mid_chunk_stops_soon_keeping_each_finished_conversation(cli, st
     stats = json.loads((out / "manifest.json").read_text())["stats"]
     assert stats == json.loads((tmp_path / "whole" / "manifest.json").read_text())["stats"] | {
         "tokens_per_second": stats.get("tokens_per_second")}
+    assert stats["tokens_per_second"] > 0
