@@ -155,6 +155,7 @@ class _Lines:
         self.total, self.desc, self.unit, self.every = total, desc, unit, every
         self.n = self.start = initial
         self.t0 = self.last = time.perf_counter()
+        self.rate_t0, self.rate_n = self.t0, initial  # where the ETA's rate is measured from
         self.postfix: Dict[str, Any] = {}
         self.lines = 0
         self.shown = -1  # the count the last line showed
@@ -169,12 +170,18 @@ class _Lines:
     def set_postfix(self, **kw: Any) -> None:
         self.postfix.update(kw)
 
+    def rate_from_now(self) -> None:
+        """Measure the ETA's rate from here on (after an engine start, which is elapsed
+        time but no progress)."""
+        self.rate_t0, self.rate_n = time.perf_counter(), self.n
+
     def _line(self, now: float) -> None:
-        done, took = self.n - self.start, now - self.t0
+        took = now - self.t0
+        done, rate_took = self.n - self.rate_n, now - self.rate_t0
         pct = f" ({100 * self.n / self.total:.0f}%)" if self.total else ""
         extra = "".join(f", {v} {k.replace('_', '/')}" for k, v in self.postfix.items())
-        eta = (f", ETA {duration(took / done * (self.total - self.n))}"
-               if done and self.total and self.n < self.total else "")
+        eta = (f", ETA {duration(rate_took / done * (self.total - self.n))}"
+               if done > 0 and self.total and self.n < self.total else "")
         self.lines += 1
         self.shown = self.n
         logging.getLogger("eagle3x").info("%s: %d/%d %s%s%s, %s elapsed%s", self.desc, self.n,

@@ -82,3 +82,26 @@ def test_the_last_progress_line_comes_once(caplog):
     shown = [r.getMessage().split(" conversations")[0] for r in caplog.records
              if r.getMessage().startswith("regenerate: ")]
     assert shown == ["regenerate: 3/4", "regenerate: 4/4", "regenerate: 2/4", "regenerate: 4/4"]
+
+
+def test_the_eta_is_measured_from_the_engine_start_not_the_bar_start(caplog, monkeypatch):
+    """An engine start is elapsed time but no progress: after `rate_from_now` the ETA's
+    rate counts only what came after it; the elapsed time still counts from the start."""
+    import logging
+
+    from eagle3x import console
+
+    clock = [0.0]
+    monkeypatch.setattr(console.time, "perf_counter", lambda: clock[0])
+    with caplog.at_level(logging.INFO, logger="eagle3x"):
+        for measured in (True, False):
+            bar = console._Lines(100, "regenerate", "replies", 0, every=0.0)
+            clock[0] = 40.0  # the engine is ready
+            if measured:
+                bar.rate_from_now()
+            clock[0] = 50.0
+            bar.update(10)
+            clock[0] = 0.0
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("regenerate: ")]
+    assert lines[0].endswith(f"{console.duration(50)} elapsed, ETA {console.duration(90)}")
+    assert lines[1].endswith(f"ETA {console.duration(450)}")

@@ -350,6 +350,8 @@ def regenerate(plan: RunPlan, settings: RegenerateConfig,
                     log.info("engine ready in %.1fs%s", time.perf_counter() - started,
                              f" ({phases})" if phases else "")
                     t0 = time.perf_counter()  # tokens/s without the engine start
+                    if hasattr(bar, "rate_from_now"):  # and the ETA (tqdm's rate is recent)
+                        bar.rate_from_now()
                 chunk = convs[c * size:(c + 1) * size]
                 have = parts[c]
                 todo = [(c * size + k, conv) for k, conv in enumerate(chunk)
