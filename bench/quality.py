@@ -74,10 +74,10 @@ seeds (mean, min..max and standard deviation, train seconds and steps, (L-1) per
 with the recipe over the peer and whether its seeds sit beyond the peer's seed spread
 ("ahead" / "behind": every seed past every one of the peer's; else "within the spread"). Everything goes to
 --out/results.json (records of earlier invocations kept); each run's logs, eval-k*.json
-and drafts stay in its folder, and a rerun reuses a folder that holds a trained draft
-(`--retrain` trains again). Long: on the shared 2-core dev VM an eagle3x step of 4
-samples took 3.8 s on the bundled data and 12 s on the regenerated replies (one thread),
-a vLLM eval 3-6 min per k; bench/RESULTS.md has every part. `nice` by default.
+and drafts stay in its folder, and a rerun reuses a folder that holds a trained draft, and
+its eval-k*.json where they are newer than the draft (`--retrain` trains and serves again).
+Long: on the shared 2-core dev VM an eagle3x step of 4 samples took 3.8 s on the bundled
+data and 12 s on the regenerated replies (one thread), a vLLM eval 3-6 min per k; bench/RESULTS.md has every part. `nice` by default.
 """
 
 from __future__ import annotations
@@ -253,6 +253,7 @@ def eagle3x_train(args: argparse.Namespace, data: str, name: str, extra: List[st
             and not args.retrain:
         log(f"{data}/{name}/seed{seed}: reusing the trained draft in {folder}")
         rc, wall = 0, None
+        rec["reused"] = True
     else:
         if folder.exists():
             shutil.rmtree(folder)
@@ -299,14 +300,20 @@ def eagle3x_eval(args: argparse.Namespace, rec: Dict[str, Any]) -> Dict[str, Any
         argv = ["stage=eval", *base_overrides(args, data), *extra, f"train.seed={seed}",
                 f"train.output_dir={folder}", f"hydra.run.dir={folder}/hydra-eval{k}",
                 f"eval.depth={k}", "eval.live=true", "eval.offline=greedy", "engine=hf"]
-        log(f"{data}/{name}/seed{seed}: eval k={k} (vLLM live + offline estimates)")
-        rc, wall = eagle3x(argv, folder / f"eval-k{k}.log", args)
-        if rc != 0:
-            rec["depths"][k] = {"error": f"eval exit {rc}: {tail(folder / f'eval-k{k}.log')}"}
-            log(rec["depths"][k]["error"])
-            continue
-        ev = read_json(folder / "eval.json")
-        shutil.copy(folder / "eval.json", folder / f"eval-k{k}.json")
+        done = folder / f"eval-k{k}.json"
+        if rec.get("reused") and not args.retrain and done.exists() and \
+                done.stat().st_mtime > (folder / "draft" / "config.json").stat().st_mtime:
+            log(f"{data}/{name}/seed{seed}: k={k} served before, reading {done}")
+            ev, wall = read_json(done), None
+        else:
+            log(f"{data}/{name}/seed{seed}: eval k={k} (vLLM live + offline estimates)")
+            rc, wall = eagle3x(argv, folder / f"eval-k{k}.log", args)
+            if rc != 0:
+                rec["depths"][k] = {"error": f"eval exit {rc}: {tail(folder / f'eval-k{k}.log')}"}
+                log(rec["depths"][k]["error"])
+                continue
+            ev = read_json(folder / "eval.json")
+            shutil.copy(folder / "eval.json", done)
         lv = ev.get("live") or {}
         rec["depths"][k] = {
             "vllm": lv.get("served", {}).get("mean_accepted_length"),

@@ -107,3 +107,35 @@ def test_eagle3x_train_seconds_leave_its_validation_out():
                                 "throughput": {"validation_seconds": 25.5}}) == 93.5
     assert quality.fit_seconds({"train_seconds": 80.0}) == 80.0
     assert quality.fit_seconds({}) is None
+
+
+def test_a_reused_draft_is_served_again_only_where_its_eval_is_older_than_it(tmp_path, monkeypatch):
+    """A rerun reads eval-k{k}.json of a reused draft when it is newer than the draft, and
+    serves again (the eval command runs) where it is missing or older."""
+    import os
+
+    folder = tmp_path / "run"
+    (folder / "draft").mkdir(parents=True)
+    (folder / "draft" / "config.json").write_text("{}")
+    os.utime(folder / "draft" / "config.json", (1000, 1000))
+    (folder / "eval-k3.json").write_text(json.dumps({"live": {"served": {"mean_accepted_length": 1.8}}}))
+    served = []
+
+    def run(argv, log, args):  # the eval command: it writes eval.json as stage=eval does
+        served.append(next(a for a in argv if a.startswith("eval.depth=")))
+        (folder / "eval.json").write_text(json.dumps({"live": {"served": {"mean_accepted_length": 1.2}}}))
+        return 0, 1.0
+
+    monkeypatch.setattr(quality, "eagle3x", run)
+    args = quality.parse(["--data", "original", "--depths", "3,5"])
+    args.verifier_path = str(tmp_path / "verifier")
+    rec = quality.eagle3x_eval(args, {"data": "original", "recipe": "eagle3x", "seed": 0,
+                                      "overrides": [], "folder": str(folder), "reused": True})
+    assert served == ["eval.depth=5"]
+    assert rec["depths"][3]["vllm"] == 1.8 and rec["depths"][5]["vllm"] == 1.2
+    assert json.loads((folder / "eval-k5.json").read_text())["live"]["served"][
+        "mean_accepted_length"] == 1.2  # kept for the next rerun
+    os.utime(folder / "eval-k3.json", (10, 10))  # older than the draft: served again
+    rec = quality.eagle3x_eval(args, {"data": "original", "recipe": "eagle3x", "seed": 0,
+                                      "overrides": [], "folder": str(folder), "reused": True})
+    assert served[1:] == ["eval.depth=3"] and rec["depths"][3]["vllm"] == 1.2
