@@ -241,10 +241,17 @@ def tail(path: Path, n: int = 6) -> str:
 
 # --------------------------------------------------------------------------- eagle3x runs
 
+def with_variant(base: List[str], extra: List[str]) -> List[str]:
+    """The shared overrides with a variant's on top: a key the variant sets replaces the
+    shared one (eagle3x refuses a key given twice), e.g. `--variant b2:train.batch_size=2`."""
+    keys = {e.split("=", 1)[0].lstrip("+~") for e in extra}
+    return [b for b in base if b.split("=", 1)[0] not in keys] + list(extra)
+
+
 def eagle3x_train(args: argparse.Namespace, data: str, name: str, extra: List[str], seed: int,
                   folder: Path) -> Dict[str, Any]:
     """Train one eagle3x recipe (or reuse its trained draft); the run's record."""
-    base = ["stage=train", *base_overrides(args, data), *extra, f"train.seed={seed}",
+    base = ["stage=train", *with_variant(base_overrides(args, data), extra), f"train.seed={seed}",
             f"train.output_dir={folder}", f"hydra.run.dir={folder}/hydra"]
     rec: Dict[str, Any] = {"data": data, "recipe": name, "seed": seed, "folder": str(folder),
                            "budget_seconds": args.budget_seconds,

@@ -97,7 +97,7 @@ def main() -> None:
     init = args.init
     if init is None:
         qs = quality_args(args, args.source, args.source_steps)
-        src = run(qs, args.source, "source", [], out / "source" / f"seed{args.seed}", args.seed)
+        src = run(qs, qs.data[0], "source", [], out / "source" / f"seed{args.seed}", args.seed)
         src["steps_asked"] = args.source_steps
         records.append(src)
         save()
@@ -112,7 +112,7 @@ def main() -> None:
         if n in args.remap_steps:
             plan.append(("remap", [f"draft.init={init}", "vocab.remap=true"]))
         for name, extra in plan:
-            rec = run(q, args.data, name, extra, out / name / f"s{n}", args.seed)
+            rec = run(q, q.data[0], name, extra, out / name / f"s{n}", args.seed)
             rec["steps_asked"] = n
             records.append(rec)
             save()

@@ -60,6 +60,21 @@ def test_a_time_budget_reaches_eagle3x_as_max_time_and_its_config_takes_it(tmp_p
                  ).trainer.max_time is None
 
 
+def test_a_variant_replaces_a_key_the_bench_sets_for_every_recipe(tmp_path):
+    """`--variant b2:train.batch_size=2` once reached eagle3x beside the bench's own
+    train.batch_size=4 and was refused as a key given twice: the variant's value wins."""
+    from eagle3x.config.compose import load_config, typed
+
+    args = quality.parse(["--verifier", "tiny", "--store", str(tmp_path / "store"),
+                          "--variant", "b2:train.batch_size=2,train.lr=0.01"])
+    over = quality.with_variant(quality.base_overrides(args, "regenerated"),
+                                dict(args.recipes)["b2"])
+    assert [o for o in over if o.startswith("train.batch_size=")] == ["train.batch_size=2"]
+    settings = typed(load_config(["stage=train", *over]))
+    assert settings.train.batch_size == 2 and settings.train.lr == 0.01
+    assert quality.with_variant(["a=1", "b=2"], []) == ["a=1", "b=2"]
+
+
 def test_eagle3x_refuses_a_time_budget_that_is_not_positive(cli):
     r = cli("stage=train", "trainer.max_time=0")
     assert r.returncode == 2 and "trainer.max_time" in r.stderr
