@@ -555,8 +555,11 @@ class TrainConfig:
     step_weight: float = checked(1.0, lambda v: 0 < v <= 1, "must be in (0, 1]",
                                  doc="Step k's loss is weighted step_weight ** k (1.0: "
                                  "every step alike).")
-    lr: float = checked(1e-3, lambda v: v > 0, "must be positive",
-                        doc="Peak learning rate (AdamW's; Muon's too unless muon_lr is set).")
+    lr: float = checked(3e-3, lambda v: v > 0, "must be positive",
+                        doc="Peak learning rate (AdamW's; Muon's too unless muon_lr is set). "
+                        "3e-3: at equal training time it served 1-23% more than "
+                        "speculators' 1e-3 on each of three data sets (bench/RESULTS.md, "
+                        "issue 36).")
     warmup_steps: Optional[int] = at_least(
         0, None, "must be 0 or more, or null (1% of the steps)",
         doc="Linear warmup steps (null: 1% of trainer.max_steps, at least 1; speculators' "

@@ -75,6 +75,6 @@ def test_a_value_breaking_its_rule_is_reported_with_the_key_and_why(key):
 def test_checked_fields_keep_their_defaults_and_types():
     from eagle3x.config.schema import ExtractConfig, TrainConfig
 
-    assert ExtractConfig().batch_size == 8 and TrainConfig().lr == 1e-3
+    assert ExtractConfig().batch_size == 8 and TrainConfig().lr == 3e-3
     types = {f.name: f.type for f in dataclasses.fields(ExtractConfig)}
     assert types["batch_size"] in (int, "int")
