@@ -251,8 +251,8 @@ def with_variant(base: List[str], extra: List[str]) -> List[str]:
 def eagle3x_train(args: argparse.Namespace, data: str, name: str, extra: List[str], seed: int,
                   folder: Path) -> Dict[str, Any]:
     """Train one eagle3x recipe (or reuse its trained draft); the run's record."""
-    base = ["stage=train", *with_variant(base_overrides(args, data), extra), f"train.seed={seed}",
-            f"train.output_dir={folder}", f"hydra.run.dir={folder}/hydra"]
+    base = ["stage=train", *with_variant(base_overrides(args, data), extra),
+            f"train.seed={seed}", f"train.output_dir={folder}", f"hydra.run.dir={folder}/hydra"]
     rec: Dict[str, Any] = {"data": data, "recipe": name, "seed": seed, "folder": str(folder),
                            "budget_seconds": args.budget_seconds,
                            "overrides": extra, "command": "python -m eagle3x " + " ".join(base)}
@@ -304,9 +304,9 @@ def eagle3x_eval(args: argparse.Namespace, rec: Dict[str, Any]) -> Dict[str, Any
     folder = Path(rec["folder"])
     rec["depths"] = {}
     for k in args.depths:
-        argv = ["stage=eval", *base_overrides(args, data), *extra, f"train.seed={seed}",
-                f"train.output_dir={folder}", f"hydra.run.dir={folder}/hydra-eval{k}",
-                f"eval.depth={k}", "eval.live=true", "eval.offline=greedy", "engine=hf"]
+        argv = ["stage=eval", *with_variant(base_overrides(args, data), extra),
+                f"train.seed={seed}", f"train.output_dir={folder}",
+                f"hydra.run.dir={folder}/hydra-eval{k}", f"eval.depth={k}", "eval.live=true", "eval.offline=greedy", "engine=hf"]
         done = folder / f"eval-k{k}.json"
         if rec.get("reused") and not args.retrain and done.exists() and \
                 done.stat().st_mtime > (folder / "draft" / "config.json").stat().st_mtime:
