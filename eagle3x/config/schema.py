@@ -557,8 +557,8 @@ class TrainConfig:
                                  "every step alike).")
     lr: float = checked(3e-3, lambda v: v > 0, "must be positive",
                         doc="Peak learning rate (AdamW's; Muon's too unless muon_lr is set). "
-                        "3e-3: at equal training time it served 1-23% more than "
-                        "speculators' 1e-3 on each of three data sets (bench/RESULTS.md, "
+                        "3e-3: at equal training time it served 1-23% more than 1e-3 "
+                        "(speculators' rate) on each of three data sets (bench/RESULTS.md, "
                         "issue 36).")
     warmup_steps: Optional[int] = at_least(
         0, None, "must be 0 or more, or null (1% of the steps)",
