@@ -78,7 +78,8 @@ def functions() -> Iterator[Tuple[str, str, str, str]]:
             if not doc:
                 continue
             try:
-                sig = f"{name}{inspect.signature(obj)}"
+                # a default that is an object prints its address: not the same twice
+                sig = re.sub(r" at 0x[0-9a-fA-F]+", "", f"{name}{inspect.signature(obj)}")
             except (TypeError, ValueError):
                 sig = f"{name}(...)"
             if len(sig) > 100:
