@@ -43,6 +43,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+def pytest_sessionstart(session):
+    """matplotlib (imported by the libraries a training step loads) builds its font cache
+    on its first import on a machine, running `fc-list`: on a fresh clone the first quick
+    test to reach it was refused as starting a process, and every test sharing its session
+    fixture failed with it. Built here, before any guard, it is read from disk after."""
+    try:
+        import matplotlib.font_manager  # noqa: F401
+    except ImportError:
+        pass
+
+
 _GUARD = pytest.StashKey[pytest.MonkeyPatch]()
 
 
