@@ -565,6 +565,11 @@ class TrainConfig:
         doc="Linear warmup steps (null: 1% of trainer.max_steps, at least 1; speculators' "
         "default).")
     weight_decay: float = documented(0.0, "The optimizers' weight decay.")
+    feature_noise: float = checked(
+        0.0, lambda v: 0 <= v <= 1, "must be in [0, 1]",
+        doc="Training only: uniform noise in [-a, a] x each aux hidden state's RMS (per "
+        "layer and position) added to the verifier's features, EAGLE-1's noise made "
+        "relative to the verifier's scale (0: none).")
     optimizer: OptimizerName = documented(
         OptimizerName.muon, "muon: Muon (torch.optim.Muon) for the decoder layers' and fc's "
         "matrices, AdamW for the rest (lm_head, embeddings, norms), as speculators splits "

@@ -99,6 +99,12 @@ class DraftModule(L.LightningModule):
                                                 batch.get("doc_end"))
             counts = torch.tensor([len(x) for x in batch["select"]], device=self.device)
         counts = counts[:steps].float()
+        noise = self.hparams.train.get("feature_noise", 0.0)
+        if noise:
+            from eagle3x.draft.ttt import feature_noise
+
+            batch = dict(batch, aux_hidden=feature_noise(
+                batch["aux_hidden"], len(self.hparams.aux_layer_ids), noise))
         # The loss is the global batch's token mean whatever the number of processes: each
         # step's cross-entropy over the positions of every rank's batch. DDP averages the
         # gradients over ranks, so each rank divides by the global count / world.

@@ -31,6 +31,20 @@ def shift(x: torch.Tensor, s: int, fill: float = 0) -> torch.Tensor:
     return torch.cat([x[:, s:], pad], dim=1)
 
 
+def feature_noise(aux: torch.Tensor, layers: int, amount: float,
+                  generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """`aux` ([..., layers * H], the verifier's aux hidden states side by side) plus
+    uniform noise in [-amount, amount] times each layer's RMS at that position (EAGLE-1's
+    feature noise, made relative: one `amount` suits every verifier's scale). A new
+    tensor in `aux`'s dtype; `aux` itself is left as it is. amount 0 returns `aux`."""
+    if amount <= 0:
+        return aux
+    x = aux.float().unflatten(-1, (layers, -1))
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
+    u = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype)
+    return (x + (2 * u - 1) * amount * rms).flatten(-2).to(aux.dtype)
+
+
 @torch.no_grad()
 def verifier_targets(last: torch.Tensor, head: torch.Tensor, draft_targets: torch.Tensor,
                      chunk: int = 2048, greedy_only: bool = False,

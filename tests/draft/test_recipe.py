@@ -259,3 +259,59 @@ def test_the_progress_line_of_a_time_bound_run_counts_down_its_time(tmp_path):
     make_trainer(t, tmp_path, None).fit(Slow())
     assert seen and 0.5 < seen[0] <= 1.0 and seen[-1] < seen[0] and min(seen) >= 0
     assert time_left(make_trainer(TrainerConfig(max_steps=5), tmp_path, None)) is None
+
+
+def test_feature_noise_is_uniform_within_each_layers_own_scale():
+    from eagle3x.draft.ttt import feature_noise
+
+    g = torch.Generator().manual_seed(0)
+    scales = torch.tensor([1.0, 100.0, 0.01])  # three aux layers of very different size
+    aux = (torch.randn(2, 50, 3, 32, generator=g) * scales[:, None]).flatten(-2)
+    before = aux.clone()
+    noisy = feature_noise(aux, 3, 0.2, generator=g)
+    assert torch.equal(aux, before)  # the batch's tensor is left as it was
+    noise = (noisy - aux).unflatten(-1, (3, -1))
+    rms = aux.unflatten(-1, (3, -1)).pow(2).mean(-1, keepdim=True).sqrt()
+    bound = 0.2 * rms
+    assert bool((noise.abs() <= bound * (1 + 1e-5)).all())
+    share = noise.abs() / bound
+    assert float(share.max()) > 0.95 and abs(float(share.mean()) - 0.5) < 0.05  # uniform
+    assert abs(float((noise / bound).mean())) < 0.05  # centred
+    assert feature_noise(aux, 3, 0.0) is aux
+    half = feature_noise(aux.bfloat16(), 3, 0.2)
+    assert half.dtype == torch.bfloat16 and half.shape == aux.shape
+
+
+def test_a_training_step_with_feature_noise_sees_noisy_features(tiny_verifier):
+    """train.feature_noise reaches the loss in training steps only: the same module and
+    batch give another loss with it and the same loss at validation."""
+    import dataclasses
+
+    from eagle3x.config.schema import TrainConfig
+    from eagle3x.draft.module import DraftModule
+    from eagle3x.stages.train import plain
+
+    shape = dict(hidden_size=128, target_hidden_size=128, intermediate_size=64, num_heads=2,
+                 num_kv_heads=2, head_dim=64, draft_vocab_size=1024, target_vocab_size=1024)
+    g = torch.Generator().manual_seed(1)
+    t = 12
+    batch = {"input_ids": torch.randint(1, 1024, (2, t), generator=g),
+             "loss_mask": torch.ones(2, t, dtype=torch.uint8), "lengths": torch.tensor([t, t]),
+             "aux_hidden": torch.randn(2, t, 3 * 128, generator=g),
+             "last_hidden": torch.randn(2, t, 128, generator=g)}
+    losses = {}
+    for noise in (0.0, 0.5):
+        torch.manual_seed(0)
+        m = DraftModule(shape=shape, train=plain(dataclasses.asdict(TrainConfig(feature_noise=noise))),
+                        verifier=str(tiny_verifier), tied_head=False, aux_layer_ids=[1, 3, 4],
+                        max_steps=20, d2t=torch.zeros(1024, dtype=torch.long),
+                        t2d=torch.ones(1024, dtype=torch.bool))
+        m._logging_now = lambda: False
+        aux = batch["aux_hidden"].clone()
+        losses[noise] = float(m.training_step(dict(batch), 0))
+        assert torch.equal(batch["aux_hidden"], aux)
+        with torch.no_grad():
+            losses[noise, "val"] = float(m._metrics(dict(batch), accuracy=False)["loss"])
+    assert losses[0.5] != pytest.approx(losses[0.0], rel=1e-4)
+    assert losses[0.5, "val"] == pytest.approx(losses[0.0, "val"], rel=1e-6)
+    assert losses[0.0] == pytest.approx(losses[0.0, "val"], rel=1e-5)
