@@ -520,6 +520,14 @@ class OptimizerName(Enum):
     muon = "muon"
 
 
+class MuonDtype(Enum):
+    """The dtype of Muon's Newton-Schulz iterations (eagle3x/draft/muon.py)."""
+
+    auto = "auto"  # bfloat16 on an accelerator, float32 on the CPU
+    bfloat16 = "bfloat16"  # torch.optim.Muon's own choice everywhere
+    float32 = "float32"
+
+
 class Schedule(Enum):
     """The learning rate after train.warmup_steps of linear warmup."""
 
@@ -577,6 +585,11 @@ class TrainConfig:
     muon_lr: Optional[float] = checked(
         None, lambda v: v is None or v > 0, "must be positive, or null (train.lr)",
         doc="Muon's learning rate (null: train.lr).")
+    muon_dtype: MuonDtype = documented(
+        MuonDtype.auto, "Muon's Newton-Schulz iterations: auto, bfloat16 on an accelerator "
+        "and float32 on the CPU (a CPU without bfloat16 matrix units, e.g. AVX2, emulates "
+        "bfloat16: Muon took ~24 s of a 25 s step there); bfloat16 (torch.optim.Muon's "
+        "choice); float32.")
     schedule: Schedule = documented(
         Schedule.linear, "The learning rate after warmup: linear or cosine down to "
         "min_lr_ratio x lr at max_steps, or constant.")

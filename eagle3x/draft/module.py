@@ -338,7 +338,7 @@ class Optimizers(torch.optim.Optimizer):
 
 
 def muon_and_adamw(named: list, t: Dict[str, Any], fused: bool) -> Optimizers:
-    """Muon (torch.optim.Muon) for the trained 2-D matrices of the decoder layers and fc,
+    """Muon (torch.optim.Muon's, its iterations in train.muon_dtype: draft/muon.py) for the trained 2-D matrices of the decoder layers and fc,
     AdamW for the rest: lm_head, embeddings, norms (speculators' split,
     speculators/train/optimizers.py split_named_params_for_muon). Muon's update is scaled
     to AdamW's RMS (`adjust_lr_fn="match_rms_adamw"`, speculators' default): one learning
@@ -348,8 +348,10 @@ def muon_and_adamw(named: list, t: Dict[str, Any], fused: bool) -> Optimizers:
                 and not n.startswith(("lm_head", "embed_tokens"))]
     ids = {id(p) for p in matrices}
     rest = [p for _, p in named if id(p) not in ids]
-    opts = [torch.optim.Muon(matrices, lr=t.get("muon_lr") or t["lr"],
-                             weight_decay=t["weight_decay"], adjust_lr_fn="match_rms_adamw")]
+    from eagle3x.draft.muon import Muon
+
+    opts = [Muon(matrices, ns_dtype=t.get("muon_dtype", "auto"), lr=t.get("muon_lr") or t["lr"],
+                 weight_decay=t["weight_decay"], adjust_lr_fn="match_rms_adamw")]
     if rest:
         opts.append(adamw(rest, t, fused))
     return Optimizers(opts)

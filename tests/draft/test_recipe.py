@@ -315,3 +315,56 @@ def test_a_training_step_with_feature_noise_sees_noisy_features(tiny_verifier):
     assert losses[0.5] != pytest.approx(losses[0.0], rel=1e-4)
     assert losses[0.5, "val"] == pytest.approx(losses[0.0, "val"], rel=1e-6)
     assert losses[0.0] == pytest.approx(losses[0.0, "val"], rel=1e-5)
+
+
+def _muon_steps(cls, steps: int = 3, **kw):
+    g = torch.Generator().manual_seed(4)
+    params = [torch.nn.Parameter(torch.randn(24, 40, generator=g)),  # wide
+              torch.nn.Parameter(torch.randn(40, 24, generator=g))]  # tall
+    opt = cls(params, lr=0.01, weight_decay=0.1, adjust_lr_fn="match_rms_adamw", **kw)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    return [p.detach().clone() for p in params], opt
+
+
+def test_muon_in_bfloat16_is_torchs_muon_bit_for_bit():
+    from eagle3x.draft.muon import Muon
+
+    ours, opt = _muon_steps(Muon, ns_dtype="bfloat16")
+    theirs, ref = _muon_steps(torch.optim.Muon)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+    mine = opt.state_dict()["state"][0]["momentum_buffer"]
+    assert torch.equal(mine, ref.state_dict()["state"][0]["momentum_buffer"])
+
+
+def test_muon_in_float32_differs_from_bfloat16_by_its_rounding_only():
+    from eagle3x.draft.muon import Muon, orthogonalise
+
+    start = _muon_steps(Muon, steps=0)[0]
+    f32 = _muon_steps(Muon, ns_dtype="float32")[0]
+    bf16 = _muon_steps(Muon, ns_dtype="bfloat16")[0]
+    for s, a, b in zip(start, f32, bf16):
+        step_a, step_b = a - s, b - s
+        assert not torch.equal(step_a, step_b)
+        assert float((step_a - step_b).norm() / step_b.norm()) < 0.02
+    g = torch.randn(24, 40, generator=torch.Generator().manual_seed(0))
+    x = orthogonalise(g, (3.4445, -4.7750, 2.0315), 5, 1e-7, torch.float32)
+    assert x.dtype == torch.float32
+    sv = torch.linalg.svdvals(x)  # the quintic's band around 1, not exactly 1
+    assert float(sv.min()) > 0.6 and float(sv.max()) < 1.25
+
+
+def test_muon_auto_takes_float32_on_the_cpu_and_bfloat16_on_an_accelerator():
+    from eagle3x.draft.muon import Muon, ns_dtype_for
+
+    assert ns_dtype_for("auto", torch.device("cpu")) == torch.float32
+    assert ns_dtype_for("auto", torch.device("cuda", 0)) == torch.bfloat16
+    assert ns_dtype_for("bfloat16", torch.device("cpu")) == torch.bfloat16
+    with pytest.raises(ValueError, match="ns_dtype"):
+        Muon([torch.nn.Parameter(torch.zeros(2, 2))], ns_dtype="fp8")
+    auto = _muon_steps(Muon)[0]
+    f32 = _muon_steps(Muon, ns_dtype="float32")[0]
+    assert all(torch.equal(a, b) for a, b in zip(auto, f32))
