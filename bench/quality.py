@@ -108,9 +108,24 @@ PEER_SETTINGS = {
                "total_seq_len=8192 tokens): equal samples and tokens per step",
     "max_steps": "the bench's --steps (its default: 20 epochs)",
     "data": "eagle3x's hidden states (same shards), vocabulary (d2t/t2d) and aux layers",
-    "device": "CPU, float32 weights under bfloat16 autocast (its hidden_states_dtype)",
+    "device": "CPU, float32 weights under bfloat16 autocast (its hidden_states_dtype) where "
+              "the CPU multiplies bfloat16 natively (avx512_bf16 / amx_bf16), else float32 "
+              "autocast: an AVX2 CPU emulates bfloat16 (a 576x1728 Gram matrix 8x slower "
+              "than float32), which would spend the peer's time budget on emulation",
+    "muon": "eagle3x's Muon (draft/muon.py: torch's, its iterations in float32 on the CPU) "
+            "in place of torch.optim.Muon, whose bfloat16 iterations an AVX2 CPU emulates "
+            "(~24 s a step); bit for bit torch's on a GPU",
     "save": "float32 save_pretrained (its dry-run saves bfloat16)",
 }
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (Linux's cpuinfo flags)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return True  # cannot tell: keep the peer's own bfloat16
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def log(msg: str) -> None:
@@ -481,6 +496,11 @@ def child_peer_train(job: Dict[str, Any]) -> None:
     model.verifier_norm = torch.nn.Identity()  # PEER_SETTINGS["verifier_norm"]
     train_kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(**vars(args))
     dtype = getattr(torch, args.hidden_states_dtype)
+    if dtype == torch.bfloat16 and not native_bf16():  # PEER_SETTINGS["device"]
+        dtype = torch.float32
+    from eagle3x.draft.muon import Muon
+
+    torch.optim.Muon = Muon  # PEER_SETTINGS["muon"]: speculators builds torch.optim.Muon(...)
     tcfg = TrainerConfig(num_epochs=args.epochs, save_path=args.save_path, lr=args.lr,
                          resume_from_checkpoint=False, train_call_kwargs=train_kwargs,
                          val_call_kwargs=train_kwargs, optimizer=args.optimizer,
