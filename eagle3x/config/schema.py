@@ -577,7 +577,8 @@ class TrainConfig:
         0.0, lambda v: 0 <= v <= 1, "must be in [0, 1]",
         doc="Training only: uniform noise in [-a, a] x each aux hidden state's RMS (per "
         "layer and position) added to the verifier's features, EAGLE-1's noise made "
-        "relative to the verifier's scale (0: none).")
+        "relative to the verifier's scale (0: none; at equal training time 0.1 and 0.3 "
+        "served no more than none on SmolLM2: bench/RESULTS.md, issue 36).")
     optimizer: OptimizerName = documented(
         OptimizerName.muon, "muon: Muon (torch.optim.Muon) for the decoder layers' and fc's "
         "matrices, AdamW for the rest (lm_head, embeddings, norms), as speculators splits "

@@ -45,6 +45,7 @@ BAD = {"data.holdout_samples": -1, "data.num_samples": 0, "engine.tensor_paralle
        "train.batch_size": 0, "train.num_workers": -1, "train.attention_block": 8,
        "train.loss_chunk": 0, "train.max_tokens": 8, "train.checkpoint_mlp_tokens": -1,
        "train.muon_lr": 0.0, "train.min_lr_ratio": 1.5, "train.teacher_topk": 0,
+       "train.feature_noise": 1.5,
        "draft.num_layers": 0, "draft.sliding_window": 1,
        "trainer.num_nodes": 0, "trainer.max_steps": 0,
        "trainer.max_epochs": 0, "trainer.max_time": 0.0, "trainer.accumulate_grad_batches": 0,
