@@ -339,8 +339,9 @@ class Optimizers(torch.optim.Optimizer):
 
 def muon_and_adamw(named: list, t: Dict[str, Any], fused: bool) -> Optimizers:
     """Muon (torch.optim.Muon's, its iterations in train.muon_dtype: draft/muon.py) for
-    the trained 2-D matrices of the decoder layers and fc, AdamW for the rest: lm_head, embeddings, norms (speculators' split,
-    speculators/train/optimizers.py split_named_params_for_muon). Muon's update is scaled
+    the trained 2-D matrices of the decoder layers and fc, AdamW for the rest: lm_head,
+    embeddings, norms (speculators' split, speculators/train/optimizers.py
+    split_named_params_for_muon). Muon's update is scaled
     to AdamW's RMS (`adjust_lr_fn="match_rms_adamw"`, speculators' default): one learning
     rate means the same step size in both. torch's own default ("original") makes an
     576x1728 matrix's step ~8x smaller at the same lr."""
