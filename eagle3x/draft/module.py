@@ -11,7 +11,7 @@ import lightning as L
 import torch
 
 from eagle3x.draft.model import DraftShape, Eagle3Draft
-from eagle3x.draft.ttt import expected_accept_length, ttt_step_metrics
+from eagle3x.draft.ttt import expected_accept_length, feature_noise, ttt_step_metrics
 from eagle3x.weights import EMBED_NAMES, FINAL_NORM_NAMES, find_tensor, verifier_head
 
 
@@ -101,8 +101,6 @@ class DraftModule(L.LightningModule):
         counts = counts[:steps].float()
         noise = self.hparams.train.get("feature_noise", 0.0)
         if noise:
-            from eagle3x.draft.ttt import feature_noise
-
             batch = dict(batch, aux_hidden=feature_noise(
                 batch["aux_hidden"], len(self.hparams.aux_layer_ids), noise))
         # The loss is the global batch's token mean whatever the number of processes: each
