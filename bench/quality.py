@@ -321,7 +321,8 @@ def eagle3x_eval(args: argparse.Namespace, rec: Dict[str, Any]) -> Dict[str, Any
     for k in args.depths:
         argv = ["stage=eval", *with_variant(base_overrides(args, data), extra),
                 f"train.seed={seed}", f"train.output_dir={folder}",
-                f"hydra.run.dir={folder}/hydra-eval{k}", f"eval.depth={k}", "eval.live=true", "eval.offline=greedy", "engine=hf"]
+                f"hydra.run.dir={folder}/hydra-eval{k}", f"eval.depth={k}", "eval.live=true",
+                "eval.offline=greedy", "engine=hf"]
         done = folder / f"eval-k{k}.json"
         if rec.get("reused") and not args.retrain and done.exists() and \
                 done.stat().st_mtime > (folder / "draft" / "config.json").stat().st_mtime:
