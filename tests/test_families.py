@@ -123,6 +123,7 @@ def test_what_vllm_cannot_run_of_a_quantized_or_float16_checkpoint_is_refused_at
         store, cache_dir, tiny_verifier, monkeypatch):
     """Decided from config.json (quantization_config, routed_scaling_factor), each rule
     citing the vLLM source it reads (eagle3x.families.vllm_checkpoint_problem)."""
+    from eagle3x.checks import preflight
     from eagle3x.checks.preflight import _cpu_has_amx
 
     w4 = zoo.build_w4a16("llama", cache_dir / "zoo" / "llama_w4a16_all", tiny_verifier)
@@ -136,11 +137,19 @@ def test_what_vllm_cannot_run_of_a_quantized_or_float16_checkpoint_is_refused_at
         return [p for p in problems(argv, gpus, monkeypatch) if p.key in ("engine", "engine.dtype")]
 
     # int4 linear layers on vLLM's CPU build: no float32 kernel; bfloat16 / float16 run
+    # where the library loaded has the int4 GEMM (AVX-512; set here both ways)
+    monkeypatch.setattr(preflight, "_vllm_cpu_has_int4", lambda: True)
     (p,) = found(w4, "engine.dtype=float32")
     assert p.key == "engine.dtype" and "CPUWNA16LinearKernel" in p.message
     assert p.where == "command line" and "bfloat16" in p.hint
     assert not found(w4) and not found(w4, "engine.dtype=float16")
     assert not found(w4, "engine.dtype=float32", gpus="1")  # CUDA kernels take float32 in
+    # the AVX2 library has no int4 GEMM in any dtype (tests/engines/test_zoo_vllm.py probes it)
+    monkeypatch.setattr(preflight, "_vllm_cpu_has_int4", lambda: False)
+    for dtype in ("auto", "float16", "bfloat16"):
+        (p,) = found(w4, f"engine.dtype={dtype}")
+        assert p.key == "engine" and "cpu_gemm_wna16" in p.message and "engine=hf" in p.hint
+    assert not found(w4, gpus="1") and not found(w4, engine="hf")
     # Kimi-K2.5's layout (int4 routed experts): no int4 MoE kernel on a CPU without AMX
     if not _cpu_has_amx():
         (p,) = found(kimi, "engine.dtype=bfloat16")

