@@ -240,7 +240,11 @@ def train_args(server, run: Path, *urls: str) -> list:
 
 
 def same_draft(x: Path, y: Path, rel: float = 1e-4) -> float:
-    """The two runs' exported drafts agree (d2t/t2d exactly); the largest difference."""
+    """The two runs' exported drafts agree: d2t/t2d exactly; each weight within `rel` of
+    the other in norm (||a - b|| / ||a||), and no element further than the one bfloat16
+    step a float32 difference, however small, can flip in the export's rounding (so a
+    difference in many elements, as other batches would make, fails both). The largest
+    norm-relative difference."""
     from safetensors.torch import load_file
 
     a, b = (load_file(str(r / "draft" / "model.safetensors")) for r in (x, y))
@@ -250,8 +254,11 @@ def same_draft(x: Path, y: Path, rel: float = 1e-4) -> float:
         if not a[k].is_floating_point():
             assert torch.equal(a[k], b[k]), k
             continue
-        err = float((a[k] - b[k]).abs().max() / a[k].abs().max())
+        u, v = a[k].float(), b[k].float()
+        err = float((u - v).norm() / u.norm())
         assert err < rel, (k, err)
+        step = torch.maximum(u.abs(), v.abs()) * 2.0 ** -7  # bfloat16's spacing, at most
+        assert bool(((u - v).abs() <= step).all()), (k, float((u - v).abs().max()))
         worst = max(worst, err)
     print("largest relative difference", worst)
     return worst
@@ -319,7 +326,7 @@ def test_two_training_processes_each_ask_the_servers_for_their_own_batches(
     # the global batch of 8 at each of 6 steps, the 8 held-out samples at 2 validations
     assert made[0] == made[1] and sum(made) == STEPS * 8 + 2 * 8 == counting.completions
     # two processes sum in another order, over hidden states the server batched otherwise:
-    # both roundings compound through Adam (each alone stays under 1e-4)
+    # both roundings compound through Adam (measured 2.6e-5 on an AVX2 CPU)
     same_draft(failover[0], run, rel=5e-4)
 
 
