@@ -103,7 +103,7 @@ FAMILIES: Tuple[Family, ...] = (
            served="yes (`bench/zoo.py`)",
            sglang="yes (`mistral.py`: its Llama class)"),
     Family("Qwen3-MoE", "qwen3_moe", ("Qwen3MoeForCausalLM",),
-           served="yes (tested here)",
+           served="yes (`bench/zoo.py`)",
            sglang="yes (`qwen3_moe.py`)"),
     Family("GPT-OSS", "gpt_oss", ("GptOssForCausalLM",),
            served="yes (tested here)",

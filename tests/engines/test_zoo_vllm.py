@@ -29,10 +29,14 @@ from tests.stages.test_extract import all_tensors
 #: their serving test (one engine fewer each). Qwen2 and Mistral are left to
 #: bench/zoo.py: vLLM's Qwen3Model is its Qwen2Model, whose forward captures the aux
 #: states (vllm/model_executor/models/qwen3.py, qwen2.py), and its MistralForCausalLM is
-#: its LlamaForCausalLM (mistral.py): the suite stays within its time.
+#: its LlamaForCausalLM (mistral.py): the suite stays within its time. So is Qwen3-MoE,
+#: served and extracted there: vLLM's Qwen3MoeModel captures the aux states through the
+#: EagleModelMixin that GPT-OSS's model uses (vllm/model_executor/models/qwen3_moe.py,
+#: gpt_oss.py, _maybe_add_hidden_state), and GPT-OSS's row, a mixture of experts too, is
+#: served here.
 SERVED = [f for f in FAMILIES if f.served == "yes (tested here)" and f.zoo != "llama"]
 EXTRACTED = [f for f in FAMILIES if f.vllm_extracts and not f.vllm_needs
-             and f.zoo not in ("llama", "qwen2", "mistral") and f not in SERVED]
+             and f.zoo not in ("llama", "qwen2", "mistral", "qwen3_moe") and f not in SERVED]
 
 
 def verifier_args(family, cache_dir, tiny_verifier) -> list:
