@@ -436,9 +436,11 @@ def _plan(overrides: Sequence[str]) -> Any:
     return resolve(typed(load_config(["stage=train", *overrides])))
 
 
-def _pack(samples: List[Dict[str, Any]], shift_batch: Any) -> Dict[str, Any]:
+def _pack(samples: List[Dict[str, Any]], shift_batch: Any, dtype: Any) -> Dict[str, Any]:
     """eagle3x samples as one speculators batch: each shifted by its shift_batch, then
-    concatenated with document ids (what its collate does), batch dimension 1."""
+    concatenated with document ids (what its collate does), batch dimension 1; the hidden
+    states in `dtype` (its hidden_states_dtype: the verifier's frozen lm_head takes them
+    as they are, outside autocast's casts)."""
     import torch
 
     parts = []
@@ -451,9 +453,9 @@ def _pack(samples: List[Dict[str, Any]], shift_batch: Any) -> Dict[str, Any]:
             "position_ids": torch.arange(n)}))
     docs = torch.cat([torch.full((len(p["input_ids"]),), i) for i, p in enumerate(parts)])
     return {"input_ids": torch.cat([p["input_ids"] for p in parts])[None],
-            "hidden_states": torch.cat([p["hidden_states"] for p in parts]).to(torch.bfloat16)[None],
+            "hidden_states": torch.cat([p["hidden_states"] for p in parts]).to(dtype)[None],
             "verifier_last_hidden_states":
-                torch.cat([p["verifier_last_hidden_states"] for p in parts]).to(torch.bfloat16)[None],
+                torch.cat([p["verifier_last_hidden_states"] for p in parts]).to(dtype)[None],
             "loss_mask": torch.cat([p["loss_mask"] for p in parts])[None],
             "position_ids": torch.cat([p["position_ids"] for p in parts])[None],
             "document_ids": docs[None]}
@@ -544,7 +546,7 @@ def child_peer_train(job: Dict[str, Any]) -> None:
         while len(order) < job["batch"]:  # a fresh seeded permutation each epoch
             order += (first + torch.randperm(last - first, generator=gen)).tolist()
         ids, order = order[:job["batch"]], order[job["batch"]:]
-        batch = _pack([reader[i] for i in ids], shift_batch)
+        batch = _pack([reader[i] for i in ids], shift_batch, dtype)
         tokens += int(batch["input_ids"].numel())
         trained += int(batch["loss_mask"].sum())
         with torch.autocast("cpu", dtype=dtype):
