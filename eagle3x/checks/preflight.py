@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 from dataclasses import dataclass
+from functools import lru_cache
 from types import SimpleNamespace
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -882,8 +883,10 @@ def live_serving(w: World) -> List[Problem]:
     return _mla_on_cpu(w) if serves_draft(w) else []
 
 
+@lru_cache(maxsize=1)
 def _cpu_flags() -> frozenset:
-    """The CPU's feature flags as the kernel reports them (/proc/cpuinfo; empty elsewhere)."""
+    """The CPU's feature flags as the kernel reports them (/proc/cpuinfo; empty elsewhere),
+    read once per process (the AMX and AVX-512 rules both ask)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
