@@ -53,6 +53,17 @@ PHRASINGS = (
 )
 
 
+def stub(name: str) -> str:
+    """The placeholder assistant turn of the function `name`."""
+    return f"```python\ndef {name}(...):\n    ...\n```"
+
+
+def is_placeholder(reply: str) -> bool:
+    """Whether an assistant turn is this set's placeholder (bench/quality.py refuses to
+    train on such replies: `@regenerated` is the way)."""
+    return re.fullmatch(r"```python\ndef \w+\(\.\.\.\):\n    \.\.\.\n```", reply) is not None
+
+
 def first_paragraph(doc: str) -> str:
     """The docstring's first paragraph as one line of prose ('' when it is a signature line
     or too short to ask for anything)."""
@@ -98,10 +109,9 @@ def build(count: int, seed: int) -> List[dict]:
     for i, (module, qualname, sig, doc) in enumerate(found[:count]):
         phrasing = PHRASINGS[i % len(PHRASINGS)]
         prompt = phrasing.format(sig=sig, doc=doc, module=module)
-        stub = f"```python\ndef {sig.split('(')[0]}(...):\n    ...\n```"
         rows.append({"id": f"stdlib-{i:04d}", "source": qualname,
                      "messages": [{"role": "user", "content": prompt},
-                                  {"role": "assistant", "content": stub}]})
+                                  {"role": "assistant", "content": stub(sig.split("(")[0])}]})
     return rows
 
 

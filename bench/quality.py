@@ -188,7 +188,37 @@ def parse_data(text: str, holdout: int) -> Tuple[str, List[str]]:
         if not path.exists():
             raise argparse.ArgumentTypeError(f"--data {name}: {path} does not exist")
         out = ["data=jsonl", f"data.path={path}"]
+        if responses == "original" and path.is_file():
+            maker = placeholder_maker(path)
+            if maker:
+                raise argparse.ArgumentTypeError(
+                    f"--data {text}: the replies in {path} are placeholders written by "
+                    f"bench/{maker}.py; trained as written the draft would learn them. "
+                    f"Did you mean --data {name}={source}@regenerated (the verifier's replies)?")
     return name, out + [f"data.responses={responses}", f"data.holdout_samples={holdout}"]
+
+
+def placeholder_maker(path: Path, rows: int = 64) -> Optional[str]:
+    """The bench script (code_prompts, chat_prompts) whose placeholder replies fill every
+    assistant turn of the first `rows` conversations of a jsonl file, else None."""
+    import chat_prompts  # bench/: the prompt sets that are meant for @regenerated only
+    import code_prompts
+
+    replies = []
+    with path.open(encoding="utf-8") as f:
+        for line, _ in zip(f, range(rows)):
+            try:
+                messages = json.loads(line).get("messages") or []
+            except (ValueError, AttributeError):
+                return None  # eagle3x's own reader names the bad line
+            replies += [m.get("content") for m in messages
+                        if isinstance(m, dict) and m.get("role") == "assistant"]
+    if not replies or not all(isinstance(r, str) for r in replies):
+        return None
+    for module in (code_prompts, chat_prompts):
+        if all(module.is_placeholder(r) for r in replies):
+            return module.__name__
+    return None
 
 
 def base_overrides(args: argparse.Namespace, data: str) -> List[str]:

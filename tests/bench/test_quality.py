@@ -39,6 +39,28 @@ def test_a_data_entry_it_cannot_read_is_refused(bad, capsys):
     assert "--data" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("maker", ["code_prompts", "chat_prompts"])
+def test_a_prompt_set_of_placeholders_is_refused_without_regenerated(maker, tmp_path, capsys):
+    """bench/code_prompts.py and chat_prompts.py write placeholder replies (a stub, a
+    marker): trained as written, a draft learns them. Refused unless @regenerated, naming
+    the script; a file with one real reply among them is taken as written."""
+    import importlib
+
+    rows = importlib.import_module(maker).build(10, 0)
+    convs = tmp_path / "set.jsonl"
+    convs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(SystemExit):
+        quality.parse(["--verifier", "tiny", "--data", f"mine={convs}"])
+    err = capsys.readouterr().err
+    assert f"bench/{maker}.py" in err and f"mine={convs}@regenerated" in err
+    ok = quality.parse(["--verifier", "tiny", "--data", f"mine={convs}@regenerated"])
+    assert "data.responses=regenerated" in ok.data_overrides["mine"]
+    rows[3]["messages"][1]["content"] = "A real reply."
+    convs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert "data.responses=original" in quality.parse(
+        ["--verifier", "tiny", "--data", f"mine={convs}"]).data_overrides["mine"]
+
+
 def test_a_time_budget_reaches_eagle3x_as_max_time_and_its_config_takes_it(tmp_path):
     """The overrides the bench runs compose under eagle3x's own config (no key unknown to
     it), with the budget as trainer.max_time and the step count as a far cap."""
