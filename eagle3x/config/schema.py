@@ -543,6 +543,13 @@ class LossName(Enum):
     hard = "hard"  # the verifier's most likely token in the draft vocabulary (plain CE)
 
 
+class LossOn(Enum):
+    """Which positions of a training sample are trained."""
+
+    mask = "mask"  # those prepare marked: the assistant's replies (data.train_reasoning, ...)
+    all = "all"  # every position: the verifier's distribution is the target everywhere
+
+
 class AttentionImpl(Enum):
     """How the training-time-test attention is computed (eagle3x/draft/attention.py)."""
 
@@ -604,6 +611,11 @@ class TrainConfig:
         1, None, "must be at least 1, or null (all)",
         doc="Train towards the verifier's k most likely draft-vocabulary tokens only, "
         "renormalised (null: its whole distribution over the draft vocabulary).")
+    loss_on: LossOn = documented(
+        LossOn.mask, "The trained positions: mask, those prepare marked (the assistant's "
+        "replies); all, every position of each sample, the user's turns and the template "
+        "too (the verifier's distribution is the target at each; the same compute per "
+        "step, more positions trained). Validation keeps the mask.")
     freeze_lm_head: bool = documented(
         True, "Keep the lm_head at the verifier's rows (speculators' default: cheaper "
         "steps, no loss of acceptance measured) instead of training it.")

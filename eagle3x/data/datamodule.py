@@ -24,15 +24,23 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from eagle3x.config.schema import (EngineConfig, ExtractConfig, HiddenConfig, HiddenSource,
-                                   TrainConfig)
+                                   LossOn, TrainConfig)
 from eagle3x.data.extraction import HiddenStates
 from eagle3x.data.shards import ShardReader
 from eagle3x.plan import RunPlan, Split
 
 
+def every_position(sample: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """`sample` with every position trained (train.loss_on=all): its loss mask all ones."""
+    sample["loss_mask"] = torch.ones_like(sample["loss_mask"])
+    return sample
+
+
 class HiddenStateDataset(Dataset):
-    def __init__(self, reader: ShardReader, indices: Sequence[int]):
-        self.reader, self.indices = reader, list(indices)
+    """Samples `indices` of the shards; `all_positions`: each one's loss mask all ones."""
+
+    def __init__(self, reader: ShardReader, indices: Sequence[int], all_positions: bool = False):
+        self.reader, self.indices, self.all_positions = reader, list(indices), all_positions
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -40,15 +48,18 @@ class HiddenStateDataset(Dataset):
     def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
         s = self.reader[self.indices[i]]
         s["input_ids"] = s["input_ids"].long()
+        if self.all_positions:
+            every_position(s)
         return s  # aux_hidden and the teacher: last_hidden, or topk_ids + topk_logp
 
 
 class OnlineDataset(Dataset):
     """The samples `indices` of the prepared data, their hidden states made by
-    `features` (eagle3x.data.online.OnlineFeatures) a batch at a time."""
+    `features` (eagle3x.data.online.OnlineFeatures) a batch at a time; `all_positions`:
+    each one's loss mask all ones."""
 
-    def __init__(self, features: Any, indices: Sequence[int]):
-        self.features, self.indices = features, list(indices)
+    def __init__(self, features: Any, indices: Sequence[int], all_positions: bool = False):
+        self.features, self.indices, self.all_positions = features, list(indices), all_positions
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -57,6 +68,8 @@ class OnlineDataset(Dataset):
         out = self.features.samples([self.indices[p] for p in positions])
         for s in out:
             s["input_ids"] = s["input_ids"].long()
+            if self.all_positions:
+                every_position(s)
         return out
 
     def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
@@ -278,12 +291,14 @@ class HiddenStateDataModule(L.LightningDataModule):
                  num_workers: Optional[int] = 0, verify: str = "size", pack: bool = True,
                  source: Optional[HiddenStates] = None,
                  online: Optional[Callable[[], Any]] = None, steps: int = 0,
-                 max_tokens: Optional[int] = None):
+                 max_tokens: Optional[int] = None, all_positions: bool = False):
         """`steps`: the training-time-test steps, for which each batch carries its trained
         positions (computed in the loader, not in the training step). `max_tokens`: batches
         of as many samples as fit in that many tokens, each packed into one row of exactly
         that width (one shape for every training batch), instead of `batch_size` samples.
-        `num_workers` None: loader processes chosen for the device (`loader_workers`)."""
+        `num_workers` None: loader processes chosen for the device (`loader_workers`).
+        `all_positions` (train.loss_on=all): training samples train every position;
+        validation keeps the loss masks."""
         super().__init__()
         self.pack = pack
         self.hidden_dir, self.split, self.source = Path(hidden_dir), split, source
@@ -291,7 +306,7 @@ class HiddenStateDataModule(L.LightningDataModule):
         self.online, self.features = online, None
         self.batch_size, self.seed, self.num_workers, self.verify = (
             batch_size, seed, num_workers, verify)
-        self.steps, self.max_tokens = steps, max_tokens
+        self.steps, self.max_tokens, self.all_positions = steps, max_tokens, all_positions
         self.train_set: Optional[HiddenStateDataset] = None
         self.val_set: Optional[HiddenStateDataset] = None
         self._sampler: Optional[StepBatchSampler] = None
@@ -312,7 +327,7 @@ class HiddenStateDataModule(L.LightningDataModule):
         return cls(plan.hidden.folder, plan.split, batch_size=train.batch_size, seed=train.seed,
                    num_workers=train.num_workers, verify=extract.verify.value,
                    pack=train.pack, source=source, online=make, steps=train.ttt_steps,
-                   max_tokens=train.max_tokens)
+                   max_tokens=train.max_tokens, all_positions=train.loss_on is LossOn.all)
 
     def prepare_data(self) -> None:
         """Make prepared data and hidden states when a source was handed over (online:
@@ -334,13 +349,13 @@ class HiddenStateDataModule(L.LightningDataModule):
             n = self.split.extract_until(self.features.data["n"])
             hold, end = self.split.bounds(n)
             self.val_set = OnlineDataset(self.features, range(0, hold))
-            self.train_set = OnlineDataset(self.features, range(hold, end))
+            self.train_set = OnlineDataset(self.features, range(hold, end), self.all_positions)
             return
         reader = ShardReader(self.hidden_dir, verify=self.verify,
                              repair_hint="python -m eagle3x stage=extract extract.verify=sha256")
         hold, end = self.split.bounds(len(reader))
         self.val_set = HiddenStateDataset(reader, range(0, hold))
-        self.train_set = HiddenStateDataset(reader, range(hold, end))
+        self.train_set = HiddenStateDataset(reader, range(hold, end), self.all_positions)
 
     def teardown(self, stage: Optional[str] = None) -> None:
         self.close()

@@ -274,3 +274,55 @@ def test_collate_hands_each_steps_trained_positions_to_the_training_step():
         assert [x.tolist() for x in batch["select"]] == [x.tolist() for x in want]
         assert batch["counts"].tolist() == [len(x) for x in want]
     assert "select" not in collate(s)
+
+
+# --------------------------------------------------------------------------------------
+# train.loss_on=all: every position of a training sample trained
+# --------------------------------------------------------------------------------------
+
+class _Reader:
+    """Stands in for ShardReader: sample i as a fresh dict, with a loss mask on its tail."""
+
+    def __init__(self, lengths):
+        self.lengths = lengths
+
+    def __getitem__(self, i):
+        n = self.lengths[i]
+        s = sample(n, 10 * i)
+        s["loss_mask"] = torch.tensor([0] * (n // 2) + [1] * (n - n // 2), dtype=torch.uint8)
+        return s
+
+
+def test_loss_on_all_trains_every_position_a_step_can_reach_and_the_mask_only_otherwise():
+    from eagle3x.data.datamodule import HiddenStateDataset, collate_packed
+
+    reader = _Reader([7, 4, 9])
+    masked = HiddenStateDataset(reader, [0, 1, 2])
+    every = HiddenStateDataset(reader, [0, 1, 2], all_positions=True)
+    assert masked[0]["loss_mask"].tolist() == [0, 0, 0, 1, 1, 1, 1]
+    assert every[0]["loss_mask"].tolist() == [1] * 7
+    steps = 3
+    a = collate_packed([masked[i] for i in range(3)], steps=steps)
+    b = collate_packed([every[i] for i in range(3)], steps=steps)
+    for k in range(steps):
+        # step k at position t predicts token t + 2 + k of the same document: every such
+        # position with loss_on=all, only those whose target lies in the tail otherwise
+        want_all = sum(max(n - 2 - k, 0) for n in reader.lengths)
+        want_masked = sum(min(n - n // 2, max(n - 2 - k, 0)) for n in reader.lengths)
+        assert int(b["counts"][k]) == want_all
+        assert int(a["counts"][k]) == want_masked <= want_all
+    assert int(a["counts"][0]) < int(b["counts"][0])
+    assert set(a["select"][0].tolist()) < set(b["select"][0].tolist())
+
+
+
+def test_loss_on_all_is_handed_to_the_datamodule():
+    from types import SimpleNamespace
+
+    from eagle3x.config.schema import ExtractConfig, LossOn, TrainConfig
+    from eagle3x.data.datamodule import HiddenStateDataModule
+
+    plan = SimpleNamespace(hidden=SimpleNamespace(folder="x"), split=None)
+    for on, want in ((LossOn.mask, False), (LossOn.all, True)):
+        dm = HiddenStateDataModule.from_plan(plan, TrainConfig(loss_on=on), ExtractConfig())
+        assert dm.all_positions is want

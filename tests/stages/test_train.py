@@ -538,3 +538,32 @@ def test_a_time_budget_stops_training_and_the_summary_states_its_cost(tmp_path_f
     assert 0 < cost["fraction_of_peak"] < 2 and "measured float32 matmul rate" in cost["peak"]
     assert "GFLOP/token" in run.result.stdout + run.result.stderr
     assert json.loads((run.run / "summary.json").read_text())["train_cost"] == cost
+
+
+@pytest.mark.slow
+def test_loss_on_all_trains_every_position_of_the_training_samples_and_validates_the_mask(
+        forty, tmp_path_factory, cache_dir):
+    """train.loss_on=all: the training samples' loss masks are all ones, the held-out ones
+    keep prepare's mask; a run trains with it and its cost counts every position."""
+    from eagle3x.data.datamodule import HiddenStateDataModule
+
+    with environment(forty.root, forty.env):
+        settings, plan = plan_for([*FORTY, "train.loss_on=all"])
+        dm = HiddenStateDataModule.from_plan(plan, settings.train, settings.extract)
+        dm.setup()
+        masked = HiddenStateDataModule.from_plan(plan, plan_for(FORTY)[0].train, settings.extract)
+        masked.setup()
+    n = len(dm.train_set)
+    assert n == len(masked.train_set) > 0
+    assert all(bool(dm.train_set[i]["loss_mask"].all()) for i in range(n))
+    assert any(not bool(masked.train_set[i]["loss_mask"].all()) for i in range(n))
+    assert any(not bool(dm.val_set[i]["loss_mask"].all()) for i in range(len(dm.val_set)))
+    run = TrainedRun(tmp_path_factory.mktemp("all"), cache_dir, "stage=train", "engine=hf",
+                     "logger=none", "trainer.max_steps=3", "trainer.val_check_interval=3",
+                     "train.loss_on=all")
+    assert run.result.returncode == 0, run.result.stderr[-3000:]
+    summary = json.loads((run.run / "train_summary.json").read_text())
+    lengths = [len(dm.train_set[i]["loss_mask"]) for i in range(min(n, 64))]
+    assert summary["steps"] == 3  # the head's share: every position but each sample's first
+    assert summary["cost"]["head_fraction"] == pytest.approx(
+        sum(t - 1 for t in lengths) / sum(lengths))
