@@ -315,7 +315,6 @@ def test_loss_on_all_trains_every_position_a_step_can_reach_and_the_mask_only_ot
     assert set(a["select"][0].tolist()) < set(b["select"][0].tolist())
 
 
-
 def test_loss_on_all_is_handed_to_the_datamodule():
     from types import SimpleNamespace
 
