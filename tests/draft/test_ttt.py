@@ -562,6 +562,71 @@ def test_ttt_loss_trains_the_draft_but_not_the_verifier_head():
     assert not out["loss_0"].requires_grad and not out["acc_0"].requires_grad
 
 
+def agreeing_batch(seed: int, lengths: List[int], t: int, share: float):
+    """A batch whose verifier's greedy tokens lie in the draft vocabulary, and whose data
+    token after each position is that greedy token with probability `share`."""
+    g = torch.Generator().manual_seed(seed)
+    chosen = vocab_maps(seed)[0]
+    greedy = chosen[torch.randint(0, DRAFT_V, (len(lengths), t), generator=g)]
+    batch = make_batch(seed, lengths, t, greedy=greedy)
+    ids = batch["input_ids"]
+    for i, n in enumerate(lengths):
+        for p in range(n - 1):
+            if torch.rand((), generator=g) < share:
+                ids[i, p + 1] = greedy[i, p]
+            elif ids[i, p + 1] == greedy[i, p]:
+                ids[i, p + 1] = (greedy[i, p] + 1) % TARGET_V
+    return batch, greedy
+
+
+@pytest.mark.parametrize("accuracy", [False, True])
+def test_loss_on_agreed_trains_step_k_only_where_the_tokens_it_reads_are_the_verifiers(accuracy):
+    """train.loss_on=agreed: step k at t counts only where x[t+1+j] is the verifier's
+    greedy token after position t+j for every j <= k; each such row adds the same
+    cross-entropy as alone (a loss mask selecting that one row), the others nothing."""
+    lengths, t, steps = [9, 8], 9, 3
+    draft = make_draft(21)
+    batch, greedy = agreeing_batch(21, lengths, t, 0.6)
+    ids, head = batch["input_ids"], torch.eye(TARGET_V)
+    out = ttt_step_metrics(draft, batch, head, steps, 1.0, accuracy=accuracy, agreed=True)
+    kept = 0
+    for k in range(steps):
+        want = torch.zeros(())
+        for i, n in enumerate(lengths):
+            for pos in range(n - 2 - k):
+                if not all(int(ids[i, pos + 1 + j]) == int(greedy[i, pos + j])
+                           for j in range(k + 1)):
+                    continue
+                kept += 1
+                alone = torch.zeros(len(lengths), t, dtype=torch.uint8)
+                alone[i, pos + 2 + k] = 1  # step k at pos predicts for position pos+2+k
+                one = ttt_step_metrics(draft, dict(batch, loss_mask=alone), head, steps, 1.0)
+                assert int(one[f"count_{k}"]) == 1
+                want = want + one[f"ce_{k}"].detach()
+        assert float(out[f"ce_{k}"].detach()) == pytest.approx(float(want), rel=1e-5, abs=1e-6)
+    assert 0 < kept < sum(int(out[f"count_{k}"]) for k in range(steps))
+
+
+def test_loss_on_agreed_where_the_data_is_the_verifiers_text_is_the_plain_loss():
+    draft = make_draft(22)
+    batch, _ = agreeing_batch(22, [9, 7], 9, 1.0)
+    plain = ttt_step_metrics(draft, batch, torch.eye(TARGET_V), 3, 0.8)
+    agreed = ttt_step_metrics(draft, batch, torch.eye(TARGET_V), 3, 0.8, agreed=True)
+    assert float(agreed["loss"]) == pytest.approx(float(plain["loss"]), rel=1e-6)
+
+
+def test_loss_on_agreed_where_nothing_agrees_gives_no_loss_and_no_gradient():
+    draft = make_draft(23).train()
+    draft.lm_head.weight.requires_grad_(True)
+    batch, _ = agreeing_batch(23, [9, 8], 9, 0.0)
+    out = ttt_step_metrics(draft, batch, torch.eye(TARGET_V), 3, 1.0, agreed=True)
+    assert int(out["count_0"]) > 0  # the positions are counted; none of them weighs
+    out["loss"].backward()
+    assert float(out["loss"].detach()) == 0.0
+    assert float(draft.fc.weight.grad.abs().sum()) == 0.0
+    assert float(draft.lm_head.weight.grad.abs().sum()) == 0.0
+
+
 def test_chain_acceptance_counts_in_range_steps_when_the_verifier_always_agrees():
     draft = uniform_draft(15)
     first = int(vocab_maps(15)[0][0])
