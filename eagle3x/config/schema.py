@@ -548,7 +548,6 @@ class LossOn(Enum):
 
     mask = "mask"  # those prepare marked: the assistant's replies (data.train_reasoning, ...)
     all = "all"  # every position: the verifier's distribution is the target everywhere
-    agreed = "agreed"  # mask, where the tokens each step reads are the verifier's greedy ones
 
 
 class AttentionImpl(Enum):
@@ -616,9 +615,7 @@ class TrainConfig:
         LossOn.mask, "The trained positions: mask, those prepare marked (the assistant's "
         "replies); all, every position of each sample, the user's turns and the template "
         "too (the verifier's distribution is the target at each; the same compute per "
-        "step, more positions trained); agreed, those of mask where every token a TTT step "
-        "reads is the verifier's own greedy choice, as when served (for replies the verifier "
-        "did not write; on its own replies the same as mask). Validation keeps the mask.")
+        "step, more positions trained). Validation keeps the mask.")
     freeze_lm_head: bool = documented(
         True, "Keep the lm_head at the verifier's rows (speculators' default: cheaper "
         "steps, no loss of acceptance measured) instead of training it.")

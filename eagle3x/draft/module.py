@@ -63,7 +63,7 @@ class DraftModule(L.LightningModule):
         return (time.perf_counter() - self._clock) / seconds
 
     def _metrics(self, batch: Dict[str, torch.Tensor], denominators: Optional[torch.Tensor] = None,
-                 accuracy: bool = True, training: bool = False) -> Dict[str, torch.Tensor]:
+                 accuracy: bool = True) -> Dict[str, torch.Tensor]:
         t = self.hparams.train
         return ttt_step_metrics(self.draft, batch, self.head, t["ttt_steps"], t["step_weight"],
                                 chunk=t.get("loss_chunk", 2048),
@@ -71,9 +71,7 @@ class DraftModule(L.LightningModule):
                                 scale=self.hparams.get("logit_scale", 1.0),
                                 denominators=denominators, accuracy=accuracy,
                                 hard=t.get("loss", "soft") == "hard",
-                                teacher_topk=t.get("teacher_topk"),
-                                agreed=training and getattr(t.get("loss_on"), "value",
-                                                            t.get("loss_on")) == "agreed")
+                                teacher_topk=t.get("teacher_topk"))
 
     def _logging_now(self) -> bool:
         """Whether Lightning writes this training step's metrics (every
@@ -110,8 +108,7 @@ class DraftModule(L.LightningModule):
         # gradients over ranks, so each rank divides by the global count / world.
         world = self._world()
         total = self._sum_over_ranks(counts) if world > 1 else counts
-        m = self._metrics(batch, denominators=total.clamp(min=1) / world, accuracy=log_now,
-                          training=True)
+        m = self._metrics(batch, denominators=total.clamp(min=1) / world, accuracy=log_now)
         if log_now:  # read only when Lightning writes them: no device sync at other steps
             ce = torch.stack([m[f"ce_{k}"] for k in range(steps)])
             hits = torch.stack([m[f"acc_{k}"] * counts[k] for k in range(steps)])

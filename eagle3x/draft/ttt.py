@@ -107,9 +107,6 @@ class Teacher:
         self.hard, self.keep = hard, topk
         self.table = self.last = self.topk = None
         self.greedy: Optional[torch.Tensor] = None
-        #: per step, a 0/1 weight of each of its rows (train.loss_on=agreed); None: all 1
-        self.row_keep: Optional[List[torch.Tensor]] = None
-        self.d2t = draft.d2t
         if "topk_ids" in batch:
             ids, logp = batch["topk_ids"], batch["topk_logp"]
             self.topk = (ids.reshape(-1, ids.shape[-1]), logp.reshape(-1, logp.shape[-1]),
@@ -139,23 +136,6 @@ class Teacher:
                         flat[a:a + chunk], self.head, softcap, scale), -1)
             else:
                 self.last = flat
-
-    def top_tokens(self) -> torch.Tensor:
-        """The verifier's most likely token (a target id) at every flat position: its
-        greedy token where accuracy computed it, else the most likely one inside the draft
-        vocabulary (the same token unless the greedy one lies outside it, where the draft
-        cannot propose it anyway)."""
-        if self.greedy is not None:
-            return self.greedy
-        if self.topk is not None:
-            return self.topk[0][:, 0].long()
-        if self.table is not None:
-            top = self.table.argmax(-1)
-        else:
-            top = torch.cat([verifier_logits(self.last[a:a + 4096], self.head, self.softcap,
-                                             self.scale).argmax(-1)
-                             for a in range(0, self.last.shape[0], 4096)])
-        return top + self.d2t[top]
 
     def probs(self, rows: torch.Tensor) -> torch.Tensor:
         """float32 [len(rows), draft vocab]: the teacher at flat positions `rows` (its most
@@ -209,8 +189,6 @@ class FusedSoftCE(torch.autograd.Function):
                     z = xc @ wc.T
                     logq = torch.log_softmax(z.float(), -1)
                     p = teacher.probs(tgt)
-                    if teacher.row_keep is not None:  # a row weighted 0 adds no loss, no grad
-                        p = p * teacher.row_keep[k][a:a + chunk, None]
                     ce = ce - (p * logq).sum()
                     if teacher.greedy is not None:
                         top = z.argmax(-1)
@@ -246,8 +224,7 @@ def ttt_step_metrics(draft: Eagle3Draft, batch: Dict[str, torch.Tensor], head: t
                      softcap: Optional[float] = None, scale: float = 1.0,
                      denominators: Optional[torch.Tensor] = None,
                      accuracy: bool = True, hard: bool = False,
-                     teacher_topk: Optional[int] = None,
-                     agreed: bool = False) -> Dict[str, torch.Tensor]:
+                     teacher_topk: Optional[int] = None) -> Dict[str, torch.Tensor]:
     """Weighted soft cross-entropy over `steps` unrolled steps, plus loss_k / acc_k each
     (and ce_k, the summed cross-entropy, and count_k, its positions, for other reductions).
 
@@ -264,9 +241,6 @@ def ttt_step_metrics(draft: Eagle3Draft, batch: Dict[str, torch.Tensor], head: t
     `softcap` and `scale`: what the verifier applies after its lm_head (VerifierInfo).
     `hard` (train.loss=hard) trains towards the teacher's most likely draft token,
     `teacher_topk` towards its k most likely, renormalised (Teacher.probs).
-    `agreed` (train.loss_on=agreed): step k at t trains only where the tokens it reads,
-    x[t+1..t+1+k], are each the verifier's most likely token after the text before it,
-    as every token a draft reads when served is; the other rows weigh 0 (no host sync).
     """
     ids = batch["input_ids"]
     b, t = ids.shape
@@ -283,12 +257,6 @@ def ttt_step_metrics(draft: Eagle3Draft, batch: Dict[str, torch.Tensor], head: t
     weights = torch.tensor([step_weight ** k for k in range(steps)], device=ids.device,
                            dtype=torch.float32) / denominators
     teacher = Teacher(draft, batch, head, softcap, scale, accuracy, chunk, hard, teacher_topk)
-    if agreed:
-        agree = (shift(ids, 1, -1).flatten() == teacher.top_tokens()).view(b, t)
-        chain, teacher.row_keep = agree, []
-        for k in range(steps):
-            chain = chain & shift(agree, k) if k else chain
-            teacher.row_keep.append(chain.flatten().index_select(0, select[k]).float())
     tokens = torch.cat([shift(ids, 1), ids.new_zeros(ids.shape[0], steps)], dim=1)
     hidden = draft.unroll_hidden(batch["aux_hidden"].to(draft.fc.weight.dtype), tokens, steps,
                                  batch.get("positions"), batch.get("docs"),
