@@ -14,6 +14,11 @@ speculation counters. Two pure functions put the offline side beside it:
     parity          compares what vLLM's drafter received and returned on its first two
                     steps of a prompt (the probe's record) with `Eagle3Draft.step` on the
                     stored features of the same tokens: the relative error of each.
+    compare_rounds  holds each request's verify rounds as vLLM counted them (its
+                    per-request speculative metrics, where the installed vLLM has them)
+                    against the replay's, round by round: where vLLM's figure departs from
+                    the replay, the requests and the first round that differ, and the rounds
+                    vLLM verified fewer than `depth` proposals in.
 
 `serve_and_compare` is `eval.live`: the three side by side on a set of prompts.
 """
@@ -40,18 +45,51 @@ def greedy_rounds(accepted: Sequence[int], start: int, served: int) -> Dict[str,
     `start`: the last prompt position (the draft's first round starts there, after the
     prefill produced one token). Returns drafts, accepted tokens, and how many rounds
     accepted at least j+1 tokens (vLLM's per-position counter)."""
-    t, made, drafts, total = start, 1, 0, 0
+    t, made = start, 1
+    rounds: List[int] = []
     per_pos: List[int] = []
     while made < served:
         a = int(accepted[t])
-        drafts += 1
-        total += a
+        rounds.append(a)
         per_pos.extend([0] * (a - len(per_pos)))
         for j in range(a):
             per_pos[j] += 1
         t += a + 1
         made += a + 1
-    return {"num_drafts": drafts, "num_accepted_tokens": total, "accepted_per_pos": per_pos}
+    return {"num_drafts": len(rounds), "num_accepted_tokens": sum(rounds),
+            "accepted_per_pos": per_pos, "rounds": rounds}
+
+
+def compare_rounds(served: Sequence[Optional[Sequence[Sequence[int]]]],
+                   replayed: Sequence[Sequence[int]], depth: int, shown: int = 3
+                   ) -> Dict[str, Any]:
+    """Each request's rounds as vLLM verified them, `served[i]` a list of (proposals
+    verified, accepted) per round (None where vLLM gave none), against the replay's
+    accepted count per round `replayed[i]`. Returns how many requests were compared and
+    how many match round for round; `short_rounds`, the rounds vLLM verified fewer than
+    `depth` proposals in (the scheduler cut them); and the first round of up to `shown`
+    requests that differ: there vLLM's drafter proposed other tokens than the trained
+    draft (when no round was short), so acceptance departs from that round on."""
+    compared = same = short = 0
+    departures: List[Dict[str, Any]] = []
+    for i, (mine, theirs) in enumerate(zip(replayed, served)):
+        if theirs is None:
+            continue
+        compared += 1
+        short += sum(1 for n, _ in theirs if n < depth)
+        accepted = [int(a) for _, a in theirs]
+        if accepted == [int(a) for a in mine]:
+            same += 1
+            continue
+        r = next((j for j, (a, b) in enumerate(zip(accepted, mine)) if a != b),
+                 min(len(accepted), len(mine)))
+        if len(departures) < shown:
+            departures.append({
+                "prompt": i, "round": r, "rounds": [len(theirs), len(mine)],
+                "served": list(map(int, theirs[r])) if r < len(theirs) else None,
+                "replayed_accepted": int(mine[r]) if r < len(mine) else None})
+    return {"requests": compared, "same_rounds": same, "short_rounds": short,
+            "departures": departures}
 
 
 def summarise(num_drafts: float, accepted: float, per_pos: Sequence[float], depth: int) -> Dict[str, Any]:
@@ -146,7 +184,10 @@ class ServedDraft:
         if draft is not None:
             kw["speculative_config"] = {"method": "eagle3", "model": str(draft),
                                         "num_speculative_tokens": depth}
+            if request_rounds_supported():
+                kw["per_request_spec_decode_metrics"] = "detailed"
         self.depth = depth
+        self.rounds: List[Optional[List[List[int]]]] = []  # of the last generate, per request
         self.rpc_timeout = set_rpc_timeout(settings)
         with StartWatch("vllm") as watch:
             self.offset = watch.offset
@@ -163,7 +204,9 @@ class ServedDraft:
                  ignore_eos: bool = False, temperature: float = 0.0,
                  seed: Optional[int] = None) -> List[List[int]]:
         """Continuations (ending at the verifier's stop token, included, unless
-        `ignore_eos`); greedy at temperature 0, else sampled (request i seeded `seed` + i)."""
+        `ignore_eos`); greedy at temperature 0, else sampled (request i seeded `seed` + i).
+        `self.rounds`: each request's rounds, [proposals verified, accepted] per round, as
+        vLLM counted them (None per request where the installed vLLM does not say)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -176,6 +219,7 @@ class ServedDraft:
         with failing_as("vllm", "serve", self.offset, self.rpc_timeout):
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(map(int, p)))
                                       for p in prompts], params, use_tqdm=False)
+        self.rounds = [request_rounds(o.outputs[0]) for o in outs]
         return [list(o.outputs[0].token_ids) for o in outs]
 
     def counters(self) -> Dict[str, Any]:
@@ -215,6 +259,28 @@ class ServedDraft:
         gc.collect()
 
 
+def request_rounds_supported() -> bool:
+    """Whether the installed vLLM reports each request's verify rounds (its
+    `per_request_spec_decode_metrics`, in `vllm/config/observability.py` since 0.2x)."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    return "per_request_spec_decode_metrics" in {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+def request_rounds(completion: Any) -> Optional[List[List[int]]]:
+    """[proposals verified, accepted] per verify round of one finished request, from
+    vLLM's per-request speculative metrics (`RequestSpecDecodeMetrics`, "detailed"), or
+    None where the request carries none."""
+    m = getattr(completion, "spec_decode_metrics", None)
+    drafted, accepted = (getattr(m, "per_step_drafted", None), getattr(m, "per_step_accepted", None))
+    if m is None or drafted is None or accepted is None or len(drafted) != len(accepted) \
+            or sum(getattr(m, "histogram", None) or [len(drafted)]) != len(drafted):
+        return None  # a vLLM that keeps only the summary, or a request without metrics
+    return [[int(n), int(a)] for n, a in zip(drafted, accepted)]
+
+
 def served_counts(before: Dict[str, Any], after: Dict[str, Any], depth: int) -> Dict[str, Any]:
     """vLLM's counters between two readings, summarised like the offline estimate."""
     per_pos = [a - b for a, b in zip(after["accepted_per_pos"],
@@ -252,6 +318,7 @@ def serve_and_compare(plan: Any, extract: Any, engine: Any, draft_dir: Path, dra
         before = served.counters()
         made = served.generate(prompts, m)  # as served: up to m tokens, ending at EOS
         counts = served_counts(before, served.counters(), depth)
+        served_rounds = served.rounds
         # The same greedy paths, long enough for the last rounds' verification.
         paths = served.generate(prompts, m + depth + 1, ignore_eos=True)
         record = served.record_first_steps(prompts[0], plan.run_dir / "parity.safetensors")
@@ -267,6 +334,7 @@ def serve_and_compare(plan: Any, extract: Any, engine: Any, draft_dir: Path, dra
         eng.close()
     offline = replay(draft, head, prompts, seqs, [len(q) for q in made], feats, depth)
     agreement = offline.pop("verifier_agreement")
+    rounds = compare_rounds(served_rounds, offline.pop("_rounds"), depth)
 
     errors = parity(record, draft, feats[0][0], prompts[0], int(record["first"][0]))
     gap = (offline["mean_accepted_length"] / counts["mean_accepted_length"] - 1
@@ -274,7 +342,7 @@ def serve_and_compare(plan: Any, extract: Any, engine: Any, draft_dir: Path, dra
     return {"prompts": len(prompts), "max_new_tokens": m, "depth": depth,
             "mean_new_tokens": sum(map(len, made)) / len(made),
             "served": counts, "greedy_offline": offline, "offline_vs_served": gap,
-            "speculative_paths_consistent": consistent,
+            "speculative_paths_consistent": consistent, "rounds": rounds,
             "verifier_agreement": agreement, "parity": errors,
             "parity_max_rel_error": max(v for k, v in errors.items() if k != "same_first_proposal"),
             "served_dtype": dtype, "_served": made}
@@ -296,7 +364,8 @@ def replay(draft: Any, head: Any, prompts: Sequence[Sequence[int]],
     from every position, rounds replayed as vLLM runs them for a request that returned
     `served` tokens. Also the mean over every position of the same paths, and how often
     the stored last hidden states' greedy token is the path's next token (1.0 when the
-    features are those of the path's own engine)."""
+    features are those of the path's own engine), and under `_rounds` each request's
+    accepted count per round (for `compare_rounds`; not a figure to write)."""
     import torch
 
     from eagle3x.evaluation.live import greedy_rounds, summarise
@@ -306,6 +375,7 @@ def replay(draft: Any, head: Any, prompts: Sequence[Sequence[int]],
     per_pos = [0] * depth
     agree = total = 0
     every: List[int] = []
+    each: List[List[int]] = []
     for prompt, seq, made, (aux, last) in zip(prompts, seqs, served, feats):
         ids = torch.tensor([list(seq)])
         batch = {"input_ids": ids, "aux_hidden": aux[None].float(), "last_hidden": last[None],
@@ -316,6 +386,7 @@ def replay(draft: Any, head: Any, prompts: Sequence[Sequence[int]],
         rounds = greedy_rounds(acc.tolist(), n - 1, made)
         drafts += rounds["num_drafts"]
         accepted += rounds["num_accepted_tokens"]
+        each.append(rounds["rounds"])
         for j, c in enumerate(rounds["accepted_per_pos"]):
             per_pos[j] += c
         every += (acc[n - 1:n - 2 + made] + 1).tolist()
@@ -325,4 +396,5 @@ def replay(draft: Any, head: Any, prompts: Sequence[Sequence[int]],
     out = summarise(drafts, accepted, per_pos, depth)
     out["all_positions_mean_accepted_length"] = sum(every) / max(len(every), 1)
     out["verifier_agreement"] = agree / max(total, 1)
+    out["_rounds"] = each  # each request's accepted count per round
     return out

