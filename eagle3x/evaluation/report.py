@@ -103,7 +103,8 @@ def benchmark_rows(bench: Dict[str, Any]) -> List[Dict[str, Any]]:
     """One flat row per benchmark set (eval.json's ``benchmarks``): prompts, the mean
     accepted length at each temperature, the share of greedy outputs identical with and
     without the draft, and at each concurrency the output tokens/s without and with the
-    draft, their ratio and the median time per output token."""
+    draft, their ratio, the median time per output token and the mean accepted length
+    there (greedy, EOS ignored)."""
     rows = []
     for key, s in bench["sets"].items():
         row: Dict[str, Any] = {"set": key, "prompts": s["prompts"]}
@@ -119,6 +120,7 @@ def benchmark_rows(bench: Dict[str, Any]) -> List[Dict[str, Any]]:
             row[f"tpot_ms_without_c{c}"] = sp["without"]["tpot_ms_median"]
             row[f"tpot_ms_with_c{c}"] = sp["with"]["tpot_ms_median"]
             row[f"speedup_c{c}"] = sp["speedup"]
+            row[f"accept_len_c{c}"] = sp["with"].get("mean_accepted_length")
         rows.append(row)
     return rows
 

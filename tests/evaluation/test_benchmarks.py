@@ -146,11 +146,13 @@ def test_rows_flatten_eval_json_for_the_table():
                             "acceptance": [{"temperature": 0.0, "mean_accepted_length": 2.5},
                                            {"temperature": 0.6, "mean_accepted_length": 2.0}],
                             "speed": [{"concurrency": 4, "without": speed,
-                                       "with": dict(speed, output_tokens_per_s=15.0),
+                                       "with": dict(speed, output_tokens_per_s=15.0,
+                                                    mean_accepted_length=2.25),
                                        "speedup": 1.5}]}}}
     (row,) = benchmark_rows(bench)
     assert row["accept_len_t0"] == 2.5 and row["accept_len_t0.6"] == 2.0
     assert row["speedup_c4"] == 1.5 and row["tok_s_with_c4"] == 15.0
+    assert row["accept_len_c4"] == 2.25
     lines = benchmark_table(bench).splitlines()
     assert len(lines) == 2 and lines[0].split()[0] == "set" and lines[1].split()[0] == "s"
     json.dumps(row)

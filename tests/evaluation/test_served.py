@@ -58,6 +58,9 @@ def test_each_set_is_served_with_and_without_the_draft_doing_the_same_work(bench
             assert sp["speedup"] > 0
             assert sp["speedup"] == pytest.approx(sp["with"]["output_tokens_per_s"]
                                                   / sp["without"]["output_tokens_per_s"])
+            # acceptance at this concurrency, from the draft's engine only
+            assert sp["without"]["mean_accepted_length"] is None
+            assert 1.0 <= sp["with"]["mean_accepted_length"] <= bench["depth"] + 1
 
 
 @pytest.mark.vllm
@@ -93,3 +96,4 @@ def test_the_console_shows_one_line_per_set(bench_eval):
     header = next(i for i, x in enumerate(lines) if x.split()[:2] == ["set", "prompts"])
     assert [lines[header + 1].split()[0], lines[header + 2].split()[0]] == ["held_out", "two"]
     assert "speedup_c1" in lines[header] and "accept_len_t0.8" in lines[header]
+    assert "accept_len_c3" in lines[header]
