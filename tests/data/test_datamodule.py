@@ -325,3 +325,30 @@ def test_loss_on_all_is_handed_to_the_datamodule():
     for on, want in ((LossOn.mask, False), (LossOn.all, True)):
         dm = HiddenStateDataModule.from_plan(plan, TrainConfig(loss_on=on), ExtractConfig())
         assert dm.all_positions is want
+
+
+class _Features:
+    """Stands in for OnlineFeatures (eagle3x/data/online.py): `samples(ids)` makes the
+    samples of prepared ids a batch at a time, fresh dicts as the engine returns them."""
+
+    def __init__(self, lengths):
+        self.reader, self.asked = _Reader(lengths), []
+
+    def samples(self, ids):
+        self.asked.append(list(ids))
+        return [self.reader[i] for i in ids]
+
+
+def test_loss_on_all_trains_every_position_of_online_batches_too():
+    """hidden=online: the batch the engine made has every position trained with
+    loss_on=all, its loss mask otherwise; the held-out batches keep the mask."""
+    from eagle3x.data.datamodule import OnlineDataset
+
+    features = _Features([7, 4, 9])
+    every = OnlineDataset(features, [1, 2], all_positions=True)
+    held = OnlineDataset(features, [0])
+    got = every.__getitems__([0, 1])
+    assert features.asked == [[1, 2]]  # one engine call for the batch
+    assert [s["loss_mask"].tolist() for s in got] == [[1] * 4, [1] * 9]
+    assert held[0]["loss_mask"].tolist() == [0, 0, 0, 1, 1, 1, 1]
+    assert got[0]["input_ids"].dtype == torch.long
