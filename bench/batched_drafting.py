@@ -31,14 +31,16 @@ def main(argv: Sequence[str]) -> None:
     ap.add_argument("--groups", default="1,32", help="requests served together, comma list")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="vLLM's max_model_len (default: eagle3x's, evaluation.live.model_len)")
     args = ap.parse_args(own)
 
     from eagle3x.config.compose import load_config, typed
     from eagle3x.config.schema import EngineName
     from eagle3x.draft.save import load
     from eagle3x.engines.base import open_engine, vllm_options
-    from eagle3x.evaluation.live import (ServedDraft, compare_rounds, extract_all, replay,
-                                         served_counts)
+    from eagle3x.evaluation.live import (ServedDraft, compare_rounds, extract_all, model_len,
+                                         replay, served_counts)
     from eagle3x.evaluation.offline import held_out_prompts
     from eagle3x.plan import resolve
     from eagle3x.weights import EMBED_NAMES, find_tensor, verifier_head
@@ -48,7 +50,10 @@ def main(argv: Sequence[str]) -> None:
     plan = resolve(settings)
     depth, m = args.depth, args.max_new_tokens
     prompts = held_out_prompts(plan, args.prompts)
-    longest = max(map(len, prompts)) + m + depth + 2
+    longest = args.max_model_len or model_len(max(map(len, prompts)), m, depth)
+    if longest < max(map(len, prompts)) + m + depth + 1:
+        ap.error(f"--max-model-len {longest}: the longest prompt with {m + depth + 1} new "
+                 f"tokens needs {max(map(len, prompts)) + m + depth + 1}")
     groups = [int(g) for g in args.groups.split(",")]
 
     served = ServedDraft(plan.verifier.path, args.draft, depth,
@@ -81,7 +86,8 @@ def main(argv: Sequence[str]) -> None:
     draft = load(args.draft, find_tensor(vpath, EMBED_NAMES).float())
     head = verifier_head(vpath, plan.verifier.tied_head).float()
 
-    print(f"{args.draft}: depth {depth}, {len(prompts)} held-out prompts, {m} new tokens")
+    print(f"{args.draft}: depth {depth}, {len(prompts)} held-out prompts, {m} new tokens, "
+          f"vLLM max_model_len {longest}")
     print(f"{'in flight':>9} | {'rounds':>6} {'accepted':>8} {'mean acc.':>9} | "
           f"{'as replayed':>11} | first departure")
     replays: dict = {}  # one replay per set of served lengths (greedy: the same for all)

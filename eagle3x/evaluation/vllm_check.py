@@ -42,10 +42,10 @@ def check(verifier: str, draft: str, prompts: Sequence[List[int]], k: int = 3,
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from eagle3x.evaluation.live import ServedDraft, served_counts
+    from eagle3x.evaluation.live import ServedDraft, model_len, served_counts
     from eagle3x.engines.base import shutdown_llm
 
-    longest = max(map(len, prompts)) + max_tokens + k + 2
+    longest = model_len(max(map(len, prompts)), max_tokens, k)
     base = LLM(model=verifier, dtype=dtype, max_model_len=longest, enforce_eager=True,
                gpu_memory_utilization=memory)
     outs = base.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
