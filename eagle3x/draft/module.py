@@ -137,6 +137,7 @@ class DraftModule(L.LightningModule):
             self._val.setdefault(f"hits_{k}", []).append(m[f"acc_{k}"] * n)
             self._val.setdefault(f"n_{k}", []).append(n)
             self._val.setdefault(f"loss_{k}", []).append(m[f"loss_{k}"] * n)
+        self._val.setdefault("choice", []).append(m["verifier_choice"].float())
 
     def on_validation_epoch_end(self) -> None:
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
@@ -148,8 +149,11 @@ class DraftModule(L.LightningModule):
                                          if self._val else torch.zeros((), device=self.device)
                                          for k in range(steps)])
                             for key in ("hits", "n", "loss")])
+        choice = (torch.stack(self._val["choice"]).sum() if self._val
+                  else torch.zeros((), device=self.device))
         if sharded:  # each rank saw its share of the held-out set; every rank reduces
             sums = self._sum_over_ranks(sums)
+            choice = self._sum_over_ranks(choice)
         hits, n, loss = sums[0], sums[1].clamp(min=1), sums[2]
         accs, logs = [], {}
         for k in range(steps):
@@ -157,6 +161,8 @@ class DraftModule(L.LightningModule):
             logs[f"val/acc_{k}"] = accs[k]
             logs[f"val/loss_{k}"] = loss[k] / n[k]
         logs["val/accept_len"] = expected_accept_length(accs)
+        # the data, not the draft: how much of the held-out text the verifier would write
+        logs["val/verifier_choice"] = choice / n[0]
         self.log_dict(logs, prog_bar=False)
         self.log("val_acc_0", accs[0], prog_bar=True, logger=False)
 

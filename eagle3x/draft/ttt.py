@@ -275,7 +275,17 @@ def ttt_step_metrics(draft: Eagle3Draft, batch: Dict[str, torch.Tensor], head: t
             out[f"acc_{k}"] = hits[k].float() / n[k]
     if accuracy:
         out["accept_len"] = expected_accept_length([out[f"acc_{k}"] for k in range(steps)])
+        out["verifier_choice"] = verifier_choice(teacher.greedy, ids, select[0])
     return out
+
+
+def verifier_choice(greedy: torch.Tensor, ids: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
+    """How many of step 0's trained positions t (flat indices `select`) read a next token
+    the verifier itself would have written: its greedy token after x[..t+1] (`greedy`, per
+    flat position) is the data's x[t+2], the token the draft's step 1 reads in training and
+    the verifier's own choice wherever a served draft reads it. `valid_mask` keeps t + 2
+    inside the sample, so x[t+2] is always there. A count on the device (no host sync)."""
+    return (greedy.index_select(0, select + 1) == ids.reshape(-1).index_select(0, select + 2)).sum()
 
 
 def draft_index(draft: Eagle3Draft) -> torch.Tensor:

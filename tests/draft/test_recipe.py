@@ -368,3 +368,46 @@ def test_muon_auto_takes_float32_on_the_cpu_and_bfloat16_on_an_accelerator():
     auto = _muon_steps(Muon)[0]
     f32 = _muon_steps(Muon, ns_dtype="float32")[0]
     assert all(torch.equal(a, b) for a, b in zip(auto, f32))
+
+
+def test_validation_reports_the_share_of_held_out_tokens_the_verifier_would_write(tiny_verifier):
+    """val/verifier_choice: over every held-out batch, the share of step 0's positions
+    whose next data token is the verifier's greedy one (ttt.verifier_choice). One batch is
+    the verifier's own greedy text (every position counts), one is random tokens."""
+    import dataclasses
+
+    from eagle3x.config.schema import TrainConfig
+    from eagle3x.draft.module import DraftModule
+    from eagle3x.stages.train import plain
+
+    shape = dict(hidden_size=128, target_hidden_size=128, intermediate_size=64, num_heads=2,
+                 num_kv_heads=2, head_dim=64, draft_vocab_size=1024, target_vocab_size=1024)
+    m = DraftModule(shape=shape, train=plain(dataclasses.asdict(TrainConfig())),
+                    verifier=str(tiny_verifier), tied_head=False, aux_layer_ids=[1, 3, 4],
+                    max_steps=20, d2t=torch.zeros(1024, dtype=torch.long),
+                    t2d=torch.ones(1024, dtype=torch.bool))
+    g = torch.Generator().manual_seed(2)
+    t = 12
+    batches = []
+    for own in (True, False):
+        last = torch.randn(2, t, 128, generator=g)
+        ids = torch.randint(1, 1024, (2, t), generator=g)
+        if own:  # x[p+1] is the verifier's greedy token after x[..p]
+            ids[:, 1:] = (last @ m.head.T).argmax(-1)[:, :-1]
+        batches.append({"input_ids": ids, "loss_mask": torch.ones(2, t, dtype=torch.uint8),
+                        "lengths": torch.tensor([t, t - 3]),
+                        "aux_hidden": torch.randn(2, t, 3 * 128, generator=g),
+                        "last_hidden": last})
+    logged = {}
+    m.log_dict = lambda logs, **kw: logged.update({k: float(v) for k, v in logs.items()})
+    m.log = lambda *a, **kw: None
+    m.on_validation_epoch_start()
+    with torch.no_grad():
+        counts = [ttt_step_metrics(m.draft, dict(b), m.head, 3, 1.0) for b in batches]
+        for i, b in enumerate(batches):
+            m.validation_step(dict(b), i)
+    m.on_validation_epoch_end()
+    n = [int(c["count_0"]) for c in counts]
+    hits = [int(c["verifier_choice"]) for c in counts]
+    assert hits[0] == n[0] and hits[1] < n[1] // 10  # own text: all; random: about none
+    assert logged["val/verifier_choice"] == pytest.approx(sum(hits) / sum(n))

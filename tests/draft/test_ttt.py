@@ -504,6 +504,35 @@ def test_ttt_step_metrics_matches_a_loop_reference():
     assert float(out["accept_len"]) == pytest.approx(float(want_len))
 
 
+def test_verifier_choice_counts_trained_positions_whose_next_token_the_verifier_would_write():
+    # The verifier's greedy token after each position is chosen (one-hot last hidden states,
+    # identity head): at some positions it is the data's next token, elsewhere not. The count
+    # is held against a loop over the docstring's rule, on a masked, ragged batch.
+    g = torch.Generator().manual_seed(21)
+    lengths, t = [7, 5], 7
+    mask = torch.randint(0, 2, (2, t), generator=g, dtype=torch.uint8)
+    base = make_batch(21, lengths, t, loss_mask=mask)
+    ids = base["input_ids"]
+    greedy = torch.randint(1, TARGET_V, (2, t), generator=g)
+    agree = torch.rand(2, t, generator=g) < 0.5
+    greedy[:, :-1] = torch.where(agree[:, :-1], ids[:, 1:], greedy[:, :-1])  # the verifier
+    batch = make_batch(21, lengths, t, greedy=greedy, loss_mask=mask)      # writes x[p+1] or not
+    assert torch.equal(batch["input_ids"], ids)
+    out = ttt_step_metrics(make_draft(21), batch, torch.eye(TARGET_V), 2, 1.0)
+    want = n = 0
+    for i, length in enumerate(lengths):
+        for p in range(t):
+            if p + 2 < length and mask[i, p + 2]:  # step 0 at p is trained
+                n += 1
+                want += int(greedy[i, p + 1]) == int(ids[i, p + 2])
+    assert int(out["count_0"]) == n and 0 < want < n  # both cases are present
+    assert int(out["verifier_choice"]) == want
+    # the verifier's own text: every trained position reads its choice
+    own = make_batch(21, lengths, t, greedy=torch.cat([ids[:, 1:], ids[:, :1]], 1), loss_mask=mask)
+    own["input_ids"] = ids
+    assert int(ttt_step_metrics(make_draft(21), own, torch.eye(TARGET_V), 2, 1.0)["verifier_choice"]) == n
+
+
 def uniform_draft(seed: int) -> Eagle3Draft:
     """A draft whose logits are all zero: it always proposes draft id 0."""
     draft = make_draft(seed)

@@ -115,7 +115,7 @@ def test_two_processes_train_what_one_process_with_the_same_global_batch_trains(
     # the W&B run is rank 0's: its metrics are the global batch's (summed over ranks)
     summary = json.loads((two / "train_summary.json").read_text())
     single = json.loads((one / "train_summary.json").read_text())
-    for key in ("train/loss", "val/acc_0", "val/loss_0", "val/loss_2"):
+    for key in ("train/loss", "val/acc_0", "val/loss_0", "val/loss_2", "val/verifier_choice"):
         assert summary["metrics"][key] == pytest.approx(single["metrics"][key], rel=1e-4), key
     assert len([d for d in wandb_dir.glob("offline-run-*")]) == 1
     assert_close_states(state(one), state(two))

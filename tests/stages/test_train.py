@@ -454,6 +454,13 @@ def test_the_console_shows_the_run_and_the_log_file_the_libraries(full_run):
     lines = [x for x in shown.splitlines() if x.strip() and not x.lstrip().startswith(bars)
              and not progress.search(x)]
     assert len(lines) < 30, shown
+    # the data line: the share of held-out tokens the (random, tiny) verifier would write,
+    # reported, with no advice to regenerate with a verifier that writes noise
+    summary = json.loads((full_run.run / "train_summary.json").read_text())
+    share = summary["verifier_choice"]
+    assert 0 <= share <= 1 and summary["metrics"]["val/verifier_choice"] == share
+    assert f"data: {100 * share:.1f}% of the held-out trained tokens" in shown
+    assert "data.responses=regenerated" not in shown
 
 
 @pytest.mark.slow
@@ -572,3 +579,22 @@ def test_loss_on_all_trains_every_position_of_the_training_samples_and_validates
     assert summary["steps"] == 3  # the head's share: every position but each sample's first
     assert summary["cost"]["head_fraction"] == pytest.approx(
         sum(t - 1 for t in lengths) / sum(lengths))
+
+
+def test_the_data_line_warns_only_where_regenerating_the_replies_can_help():
+    """stages.train.verifier_choice_line: a warning naming data.responses=regenerated when
+    the data's own replies are mostly not the verifier's choice (a real verifier); an
+    info line when they are, or when the replies were regenerated, or the verifier is the
+    random tiny one; nothing without a validation."""
+    import logging
+
+    from eagle3x.stages.train import OWN_TEXT_SHARE, verifier_choice_line
+
+    level, text = verifier_choice_line(0.651, advise=True)
+    assert level == logging.WARNING and "65.1%" in text and "data.responses=regenerated" in text
+    for share, advise in ((0.651, False), (OWN_TEXT_SHARE, True), (0.997, True)):
+        level, text = verifier_choice_line(share, advise)
+        assert level == logging.INFO and "regenerated" not in text, (share, advise)
+        assert f"{100 * share:.1f}%" in text
+    assert verifier_choice_line(None, True) is None
+    assert verifier_choice_line(float("nan"), True) is None
