@@ -78,6 +78,19 @@ def _exclusive(folder: Path, holder: str) -> Iterator[None]:
         lock.release()
 
 
+def _held(folder: Path) -> bool:
+    """Whether another process holds `folder`'s lock (`_exclusive`) right now."""
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(folder) + ".lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        return True
+    lock.release()
+    return False
+
+
 def open_manifest(plan: RunPlan) -> Dict[str, Any]:
     """The folder's manifest (created if new), checked against this plan, orphans adopted."""
     out, fp = plan.hidden.folder, plan.hidden.fingerprint
@@ -315,7 +328,8 @@ def _open_part(plan: RunPlan, first: int, end: int) -> tuple:
 
 def _join(out: Path, m: Dict[str, Any], r: Dict[str, Any]) -> bool:
     """Under the folder's lock: append every part of round `r` to the manifest `m` when
-    all are whole; False while some part is missing samples."""
+    all are whole; False while some part is missing samples or its worker still holds it
+    (its last samples written, its run not yet recorded: that worker joins after it)."""
     entries, runs = [], []
     for first, end in r["parts"]:
         if end == first:
@@ -323,7 +337,7 @@ def _join(out: Path, m: Dict[str, Any], r: Dict[str, Any]) -> bool:
         folder = part_folder(out, first, end)
         pm = (artifacts.read_manifest(folder)
               if (folder / artifacts.MANIFEST).exists() else None)
-        if pm is None or pm["samples"] < end - first:
+        if pm is None or pm["samples"] < end - first or _held(folder):
             return False
         rel = folder.relative_to(out).as_posix()
         entries += [{**e, "name": f"{rel}/{e['name']}"} for e in pm["shards"]]

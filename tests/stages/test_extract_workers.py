@@ -93,6 +93,36 @@ def test_the_worker_index_comes_from_the_setting_then_slurm_then_torchrun():
             extract_worker(4, worker, env)
 
 
+def test_a_part_whose_worker_still_holds_it_is_joined_by_that_worker_with_its_run(tmp_path):
+    """The join waits for a part whose samples are all written while its worker still holds
+    the part's lock (it records its run after its last shard): joined then, the manifest
+    lost that worker's run (a full-suite run met it once). The worker joins after it."""
+    from filelock import FileLock
+
+    from eagle3x import artifacts
+    from eagle3x.data.extraction import _join, part_folder
+
+    out = tmp_path / "hidden"
+    r = {"parts": PARTS, "workers": 2, "base": 0, "target": TOTAL}
+    for i, (a, b) in enumerate(PARTS):
+        pm = artifacts.new_manifest("hidden-part", {}, "fp", shards=[], samples=b - a,
+                                    first_sample=a, end=b, runs=[{"worker": i}])
+        part_folder(out, a, b).mkdir(parents=True)
+        artifacts.write_json_atomic(part_folder(out, a, b) / artifacts.MANIFEST, pm)
+    m = artifacts.new_manifest("hidden", {}, "fp", shards=[], samples=0)
+    held = FileLock(str(part_folder(out, *PARTS[0])) + ".lock")  # worker 0, still writing
+    held.acquire()
+    try:
+        assert not _join(out, dict(m), r)
+        assert not (out / artifacts.MANIFEST).exists()
+    finally:
+        held.release()
+    assert _join(out, m, r)
+    joined = manifest(out)
+    assert joined["samples"] == TOTAL
+    assert [run["worker"] for run in joined["runs"]] == [0, 1]
+
+
 @pytest.mark.slow
 def test_joblib_workers_give_the_one_process_extraction(cli, reference, tmp_path):
     out = tmp_path / "many"
