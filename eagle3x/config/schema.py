@@ -574,7 +574,8 @@ class TrainConfig:
                         doc="Peak learning rate (AdamW's; Muon's too unless muon_lr is set). "
                         "3e-3: at equal training time it served 1-23% more than 1e-3 "
                         "(speculators' rate) on each of three data sets (bench/RESULTS.md, "
-                        "issue 36).")
+                        "issue 36). A 50-step fine-tune of a draft.init towards distant "
+                        "data served 7.6% more at 1e-2 (docs/guides/fine-tune.md).")
     warmup_steps: Optional[int] = at_least(
         0, None, "must be 0 or more, or null (1% of the steps)",
         doc="Linear warmup steps (null: 1% of trainer.max_steps, at least 1; speculators' "
