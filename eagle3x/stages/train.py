@@ -255,9 +255,9 @@ def verifier_choice_line(share: Optional[float], advise: bool) -> Optional[Tuple
     only the verifier's tokens, so text it would not write teaches contexts it never
     meets: below OWN_TEXT_SHARE, with `advise`, the line is a warning naming
     data.responses=regenerated. `advise`: the data's own replies and a real verifier (the
-    regenerated replies, sampled at a temperature, fall below 1.0 by design; the random
-    tiny verifier would regenerate noise), else the share is only reported. None without
-    a validation."""
+    regenerated replies, sampled at a temperature, fall below 1.0 by design; the embedded
+    tiny verifier is a toy fitted to the bundled replies, 84.5% on them, whose own text
+    would teach nothing), else the share is only reported. None without a validation."""
     if share is None or share != share:
         return None
     head = (f"data: {100 * share:.1f}% of the held-out trained tokens are the verifier's own "

@@ -454,8 +454,8 @@ def test_the_console_shows_the_run_and_the_log_file_the_libraries(full_run):
     lines = [x for x in shown.splitlines() if x.strip() and not x.lstrip().startswith(bars)
              and not progress.search(x)]
     assert len(lines) < 30, shown
-    # the data line: the share of held-out tokens the (random, tiny) verifier would write,
-    # reported, with no advice to regenerate with a verifier that writes noise
+    # the data line: the share of held-out tokens the tiny verifier (a toy fitted to these
+    # replies) would write, reported, with no advice to regenerate with a toy
     summary = json.loads((full_run.run / "train_summary.json").read_text())
     share = summary["verifier_choice"]
     assert 0 <= share <= 1 and summary["metrics"]["val/verifier_choice"] == share
@@ -585,7 +585,7 @@ def test_the_data_line_warns_only_where_regenerating_the_replies_can_help():
     """stages.train.verifier_choice_line: a warning naming data.responses=regenerated when
     the data's own replies are mostly not the verifier's choice (a real verifier); an
     info line when they are, or when the replies were regenerated, or the verifier is the
-    random tiny one; nothing without a validation."""
+    embedded tiny one; nothing without a validation."""
     import logging
 
     from eagle3x.stages.train import OWN_TEXT_SHARE, verifier_choice_line
